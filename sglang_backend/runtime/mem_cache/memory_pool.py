@@ -1,0 +1,148 @@
+"""The two-level KV memory: request slots -> token positions -> KV slots.
+
+* ``ReqToTokenPool``: one row per running request; row[i] is the KV slot of the request's i-th token.
+* ``TokenToKVPoolAllocator``: hands out KV slot indices in pages (page_size tokens each).
+* ``MHATokenToKVPool``: the K/V tensors themselves, one pair per layer, indexed by KV slot.
+
+Slot 0 is never handed out: padded positions write their KV there, so kernels need no branch for padding.
+Cached prefixes (radix tree) and running requests draw from the same allocator: there is no fixed
+partition between "cache" and "working" memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context_len: int, device: str = "cpu"):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.free_slots: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self) -> int | None:
+        if not self.free_slots:
+            return None
+        return self.free_slots.pop()
+
+    def free(self, idx: int) -> None:
+        assert idx not in self.free_slots, f"request slot {idx} freed twice"
+        self.free_slots.append(idx)
+
+    def write(self, idx: int, start: int, locs: torch.Tensor) -> None:
+        self.req_to_token[idx, start : start + len(locs)] = locs.to(self.device)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class TokenToKVPoolAllocator:
+    """Free list of KV pages. With page_size == 1 every token is its own page.
+
+    A request's own (unshared) tokens always start on a page boundary (the radix tree only shares whole
+    pages), so a page is owned by exactly one request or one tree node and can be freed as a unit.
+    """
+
+    def __init__(self, size: int, page_size: int = 1, device: str = "cpu"):
+        assert size % page_size == 0, "KV pool size must be a multiple of page_size"
+        self.size = size
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.device = device
+        self.clear()
+
+    def clear(self) -> None:
+        # Page 0 (slots [0, page_size)) is the padding page and is never handed out.
+        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        return len(self.free_pages) * self.page_size
+
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        if n > len(self.free_pages):
+            return None
+        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        return pages
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """Whole fresh pages for ``need_size`` tokens (page_size 1: exactly need_size slots)."""
+        if self.page_size == 1:
+            return self._take_pages(need_size)
+        num_pages = -(-need_size // self.page_size)
+        pages = self._take_pages(num_pages)
+        if pages is None:
+            return None
+        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
+        return slots[:need_size]
+
+    def alloc_extend(self, last_loc: int, need_size: int) -> torch.Tensor | None:
+        """Slots for ``need_size`` tokens that follow the token stored at ``last_loc`` (-1: none).
+
+        Fills what is left of the last token's page before taking fresh pages.
+        """
+        if self.page_size == 1 or last_loc < 0:
+            return self.alloc(need_size)
+        room = (self.page_size - 1 - last_loc % self.page_size) if last_loc >= 0 else 0
+        in_page = torch.arange(last_loc + 1, last_loc + 1 + min(room, need_size), dtype=torch.int64)
+        rest = need_size - len(in_page)
+        if rest == 0:
+            return in_page
+        fresh = self.alloc(rest)
+        if fresh is None:
+            return None
+        return torch.cat([in_page, fresh])
+
+    def free(self, indices: torch.Tensor) -> None:
+        if indices is None or len(indices) == 0:
+            return
+        indices = indices.to("cpu", torch.int64)
+        pages = torch.unique(indices // self.page_size) if self.page_size > 1 else indices
+        assert int(pages.min()) >= 1, "attempted to free the reserved padding page"
+        self.free_pages = torch.cat([self.free_pages, pages])
+
+    def debug_check_no_duplicates(self) -> None:
+        assert len(torch.unique(self.free_pages)) == len(self.free_pages), "KV page freed twice"
+
+
+class MHATokenToKVPool:
+    """K and V buffers per layer: [num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str = "cpu",
+        page_size: int = 1,
+    ):
+        self.size = size
+        self.dtype = dtype
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.layer_num = layer_num
+        self.device = device
+        # + page_size for the padding page 0.
+        shape = (size + page_size, head_num, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+    @staticmethod
+    def bytes_per_token(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:
+        return 2 * head_num * head_dim * layer_num * torch.tensor([], dtype=dtype).element_size()
