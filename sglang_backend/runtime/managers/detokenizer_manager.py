@@ -1,0 +1,62 @@
+"""Incremental, UTF-8-safe detokenization with stop-string trimming.
+
+Text is always the decode of all output ids so far (so streamed pieces concatenate to exactly the final
+text). A piece is held back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD) or in what
+could still become a stop string, so a client never sees text that is later retracted.
+"""
+
+from __future__ import annotations
+
+
+def trim_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """Cuts ``text`` at the earliest occurrence of any stop string. Returns (text, found)."""
+    cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def partial_stop_suffix_len(text: str, stop: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class DetokenizerState:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 stop: list[str] | None = None, no_stop_trim: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.stop = [s for s in (stop or []) if s]
+        self.no_stop_trim = no_stop_trim
+        self.sent = ""  # text already handed out
+
+    def decode(self, ids: list[int]) -> str:
+        kwargs = {"skip_special_tokens": self.skip_special_tokens}
+        if not self.spaces_between_special_tokens:
+            kwargs["spaces_between_special_tokens"] = False
+        return self.tokenizer.decode(ids, **kwargs)
+
+    def full_text(self, ids: list[int]) -> str:
+        text = self.decode(ids)
+        if self.stop and not self.no_stop_trim:
+            text, _ = trim_stop(text, self.stop)
+        return text
+
+    def step(self, ids: list[int], finished: bool) -> str:
+        """The new piece of text to hand out after ``ids`` (all output ids so far)."""
+        text = self.full_text(ids)
+        if not finished:
+            if text.endswith("\ufffd"):
+                text = text.rstrip("\ufffd")
+            if self.stop and not self.no_stop_trim:
+                text = text[: len(text) - partial_stop_suffix_len(text, self.stop)]
+        if not text.startswith(self.sent):
+            return ""  # a tokenizer re-rendered earlier text (rare): never retract what was sent
+        piece = text[len(self.sent):]
+        self.sent = text
+        return piece

@@ -1,0 +1,158 @@
+"""Request state (``Req``) and the per-step batch built from requests (``ScheduleBatch``).
+
+KV bookkeeping of a request: ``req_to_token[req_pool_idx, :kv_len]`` holds the KV slots of
+``all_ids[:kv_len]``. The first ``len(prefix_indices)`` of them belong to the radix tree (locked through
+``last_node``); the rest are the request's own until it finishes and hands them to the tree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model_executor.forward_batch import ForwardBatch, ForwardMode
+from ..sampling_params import SamplingParams
+
+
+def finish_stop(matched) -> dict:
+    return {"type": "stop", "matched": matched}
+
+
+def finish_length(length: int) -> dict:
+    return {"type": "length", "length": length}
+
+
+def finish_abort(message: str, status_code: int = 400) -> dict:
+    return {"type": "abort", "message": message, "status_code": status_code}
+
+
+class Req:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        extra_key=None,
+        stream: bool = False,
+    ):
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.output_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.extra_key = extra_key
+        self.stream = stream
+
+        # Logprobs. logprob_start_len -1 means "output logprobs only".
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len if logprob_start_len >= 0 else len(input_ids)
+        self.top_logprobs_num = top_logprobs_num
+        self.input_token_logprobs: list = []  # (logprob | None, token_id) per prompt token from logprob_start_len
+        self.input_top_logprobs: list = []
+        self.output_token_logprobs: list = []
+        self.output_top_logprobs: list = []
+        self.input_logprobs_done = not return_logprob or self.logprob_start_len >= len(input_ids)
+
+        # KV state.
+        self.req_pool_idx: int | None = None
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.kv_len = 0
+        self.extend_input_len = 0  # tokens computed in the current extend step
+        self.is_chunked = False  # prompt only partly computed; continues next step
+
+        # Accounting.
+        self.cached_tokens = 0
+        self.prefix_len_at_match = 0  # set by the scheduling policy
+        self.skipped_rounds = 0  # aging for the starvation bound
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(int(sampling_params.seed))
+        self.finished_reason: dict | None = None
+        self.text = ""  # final text (set when finished, stop strings trimmed)
+        self.created_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.num_retractions = 0
+
+    # Token views ---------------------------------------------------------------------------------------------
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def max_prefix_len(self) -> int:
+        """How much of all_ids may come from the cache: at least one token must be computed (its logits are
+        sampled), and prompt logprobs need the logits at every position from logprob_start_len - 1."""
+        limit = self.seq_len - 1
+        if not self.input_logprobs_done:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return max(limit, 0)
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    def reset_for_retract(self) -> None:
+        self.req_pool_idx = None
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.kv_len = 0
+        self.is_chunked = False
+        self.num_retractions += 1
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, in={len(self.origin_input_ids)}, out={len(self.output_ids)}, kv={self.kv_len})"
+
+
+@dataclass
+class ScheduleBatch:
+    """Requests run together in one forward pass."""
+
+    reqs: list[Req]
+    forward_mode: ForwardMode
+    # Extend only: per request, its prefix length and the tokens it computes this step.
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    out_cache_loc: torch.Tensor | None = None
+    # Rows of the flattened batch whose logits are computed, per request (empty for a mid-prompt chunk).
+    logit_rows: list[list[int]] = field(default_factory=list)
+
+    def to_forward_batch(self, device: str) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        if self.forward_mode.is_decode():
+            for r in self.reqs:
+                ids.append(r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1])
+                positions.append(r.kv_len)
+            seq_lens = [r.kv_len + 1 for r in self.reqs]
+            logits_indices = list(range(len(self.reqs)))
+        else:
+            logits_indices = []
+            for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
+                all_ids = r.all_ids
+                ids.extend(all_ids[p : p + e])
+                positions.extend(range(p, p + e))
+            seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+            for rows in self.logit_rows:
+                logits_indices.extend(rows)
+        return ForwardBatch(
+            forward_mode=self.forward_mode,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            out_cache_loc=self.out_cache_loc.to(device),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=list(self.prefix_lens),
+            extend_seq_lens_cpu=list(self.extend_lens),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        )

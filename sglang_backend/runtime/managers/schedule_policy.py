@@ -1,0 +1,135 @@
+"""Waiting-queue order: which requests to try first when forming a prefill batch.
+
+* ``lpm``: longest cached-prefix match first (maximises reuse now).
+* ``dfs-weight``: depth-first over the radix tree, heavier subtrees first (Theorem 3.1: a DFS order over the
+  request tree reaches the optimal hit rate when the cache holds the longest request).
+* ``fcfs`` / ``random``: ablations.
+
+On top of any policy: the starvation bound (a request skipped ``starvation_limit`` rounds goes first, in
+arrival order), and in-batch prefix dedup (see ``shares_uncached_prefix``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+from .schedule_batch import Req
+
+# Below this many tokens of shared uncached prefix, holding a request back is not worth a round trip.
+IN_BATCH_DEDUP_MIN_TOKENS = 32
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache, starvation_limit: int = 64, seed: int = 0):
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.starvation_limit = starvation_limit
+        self.rng = random.Random(seed)
+
+    def match(self, req: Req) -> None:
+        """Refresh the request's cached prefix from the tree (cheap; the tree may have changed)."""
+        result = self.tree_cache.match_prefix(req.all_ids[: req.max_prefix_len()], extra_key=req.extra_key)
+        req.prefix_indices, req.last_node = result.device_indices, result.last_node
+        req.prefix_len_at_match = len(req.prefix_indices)
+
+    def order(self, waiting: list[Req]) -> list[Req]:
+        if self.tree_cache.disable and self.policy in ("lpm", "dfs-weight"):
+            ordered = list(waiting)  # without a cache every match is empty: FCFS
+        elif self.policy == "fcfs":
+            ordered = list(waiting)
+        elif self.policy == "random":
+            ordered = list(waiting)
+            self.rng.shuffle(ordered)
+        else:
+            for req in waiting:
+                self.match(req)
+            if self.policy == "lpm":
+                # Stable sort keeps arrival order among equal matches.
+                ordered = sorted(waiting, key=lambda r: -r.prefix_len_at_match)
+            else:
+                ordered = self._dfs_weight(waiting)
+        starved = [r for r in ordered if r.skipped_rounds >= self.starvation_limit]
+        if starved:
+            starved.sort(key=lambda r: r.created_time)
+            ids = {id(r) for r in starved}
+            ordered = starved + [r for r in ordered if id(r) not in ids]
+        return ordered
+
+    def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
+        """Group requests by the tree node their match ends at; visit the tree depth-first, children with
+        more waiting requests below them first, emitting each node's requests when it is visited."""
+        at_node: dict[int, list[Req]] = defaultdict(list)
+        nodes = {}
+        for r in waiting:
+            at_node[id(r.last_node)].append(r)
+            nodes[id(r.last_node)] = r.last_node
+        weight: dict[int, int] = defaultdict(int)
+        children: dict[int, list] = defaultdict(list)
+        root = self.tree_cache.root_node
+        for key, node in nodes.items():
+            n = len(at_node[key])
+            cur = node
+            while cur is not None:
+                weight[id(cur)] += n
+                parent = cur.parent
+                if parent is not None and cur not in children[id(parent)]:
+                    children[id(parent)].append(cur)
+                cur = parent
+        ordered: list[Req] = []
+
+        def visit(node):
+            ordered.extend(at_node.get(id(node), []))
+            for child in sorted(children.get(id(node), []), key=lambda c: -weight[id(c)]):
+                visit(child)
+
+        visit(root)
+        # Requests whose node is not reachable from the root (should not happen) keep arrival order.
+        seen = {id(r) for r in ordered}
+        return ordered + [r for r in waiting if id(r) not in seen]
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def shares_uncached_prefix(req: Req, admitted: list[Req]) -> bool:
+    """True if ``req`` shares a long not-yet-cached prefix with a request admitted in this batch: holding it
+    back one round lets it hit the KV that request is about to compute instead of computing it twice."""
+    ids = req.all_ids
+    own_prefix = len(req.prefix_indices)
+    for other in admitted:
+        if other.extra_key != req.extra_key:
+            continue
+        shared = common_prefix_len(ids, other.all_ids)
+        if shared - own_prefix >= IN_BATCH_DEDUP_MIN_TOKENS:
+            return True
+    return False
+
+
+def optimal_hit_rate(requests: list[tuple[object, list[int]]]) -> float:
+    """The best possible prompt-cache hit rate for a set of (namespace, prompt ids) with a cache that holds
+    everything (Theorem 3.1): each token of the request tree is computed once. One refinement for a real
+    engine: a request always computes at least its last token (its logits are sampled), so every exact
+    duplicate of an earlier prompt still costs one token."""
+    total = sum(len(ids) for _, ids in requests)
+    if total == 0:
+        return 0.0
+    trie: dict = {}
+    computed = 0
+    # Lexicographic order puts every prompt before its extensions, the order that needs the fewest tokens.
+    for ns, ids in sorted(requests, key=lambda r: (repr(r[0]), list(r[1]))):
+        node = trie.setdefault(("ns", ns), {})
+        new_tokens = 0
+        for t in ids:
+            nxt = node.get(t)
+            if nxt is None:
+                nxt = node[t] = {}
+                new_tokens += 1
+            node = nxt
+        computed += max(new_tokens, 1 if ids else 0)
+    return 1.0 - computed / total

@@ -1,0 +1,522 @@
+"""The continuous-batching loop: owns the model, the KV pool and the radix tree.
+
+Each ``step()`` either runs one prefill (extend) batch formed from the waiting queue, or one decode step of
+the running batch. Finished requests hand their KV to the radix tree so later requests reuse it. The class
+is driven in-process by the offline ``Engine`` and, in the server, by the scheduler process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..layers.logits_processor import token_logprobs, top_logprobs
+from ..layers.sampler import Sampler, SamplingBatchInfo
+from ..model_executor.forward_batch import ForwardMode
+from ..model_executor.model_runner import ModelRunner
+from .schedule_batch import Req, ScheduleBatch, finish_abort, finish_length, finish_stop
+from .schedule_policy import SchedulePolicy, shares_uncached_prefix
+
+logger = logging.getLogger(__name__)
+
+# Reserved decode growth per running request is min(remaining tokens, this) * new_token_ratio.
+CLIP_MAX_NEW_TOKENS = 4096
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class PoolNotWholeError(AssertionError):
+    pass
+
+
+@dataclass
+class SchedulerStats:
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_prefill_batches: int = 0
+    num_decode_batches: int = 0
+    num_forward_tokens: int = 0
+    num_retractions: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    tree_op_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+
+class Scheduler:
+    def __init__(self, server_args, config, model_dir: str | None, tokenizer):
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.model_runner = ModelRunner(server_args, config, model_dir)
+        self.device = self.model_runner.device
+        self.context_len = self.model_runner.context_len
+        self.max_total_num_tokens = self.model_runner.max_total_num_tokens
+        self.req_to_token_pool = self.model_runner.req_to_token_pool
+        self.allocator = self.model_runner.token_to_kv_pool_allocator
+        self.page_size = server_args.page_size
+        self.eos_token_ids = self._eos_ids(config, tokenizer)
+
+        if server_args.disable_radix_cache:
+            from ..mem_cache.chunk_cache import ChunkCache
+
+            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+        else:
+            from ..mem_cache.radix_cache import RadixCache
+
+            self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.starvation_limit,
+                                     server_args.random_seed)
+        self.sampler = Sampler()
+
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.just_aborted: list[Req] = []  # ended by the scheduler itself; reported with the next step
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.stats = SchedulerStats()
+
+    @staticmethod
+    def _eos_ids(config, tokenizer) -> set[int]:
+        ids = set()
+        for src in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(i) for i in src)
+        return ids
+
+    # Requests in / out ----------------------------------------------------------------------------------------
+    def validate(self, input_ids: list[int], sampling_params) -> None:
+        """Errors a request must get before it is queued (ValueError with the reason)."""
+        if not input_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        n = len(input_ids)
+        if n >= self.context_len:
+            raise ValueError(f"the prompt has {n} tokens, but the model's context length is {self.context_len}; "
+                             f"shorten it to at most {self.context_len - 1} tokens")
+        if n + 1 > self.max_total_num_tokens:
+            raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({self.max_total_num_tokens})")
+        vocab = self.model_runner.vocab_size
+        bad = [t for t in input_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids contain token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def add_request(self, req: Req) -> None:
+        self.waiting_queue.append(req)
+
+    def abort_request(self, rid: str) -> Req | None:
+        """Abort by id; frees the request's KV now. Returns the aborted request (finished) or None."""
+        for req in self.waiting_queue:
+            if req.rid == rid:
+                self.waiting_queue.remove(req)
+                req.finished_reason = finish_abort("aborted by client")
+                self.stats.num_aborted += 1
+                return req
+        candidates = self.running + ([self.chunked_req] if self.chunked_req else [])
+        for req in candidates:
+            if req.rid == rid:
+                req.finished_reason = finish_abort("aborted by client")
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                else:
+                    self.running.remove(req)
+                self._release(req)
+                self.stats.num_aborted += 1
+                return req
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.running or self.chunked_req)
+
+    # The loop ---------------------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Runs one batch. Returns the requests that got new output (tokens or a finish) in this step."""
+        batch = self._get_new_batch_prefill()
+        if batch is not None:
+            return self._run_extend(batch)
+        if self.running:
+            out = self._run_decode()
+            if self.just_aborted:
+                out, self.just_aborted = out + self.just_aborted, []
+            return out
+        if self.server_args.check_pool_on_idle:
+            self.check_pool_whole()
+        return []
+
+    # Prefill ------------------------------------------------------------------------------------------------
+    def _reserved_decode_tokens(self, reqs) -> int:
+        return int(sum(min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in reqs) * self.new_token_ratio)
+
+    def _available_tokens(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        sa = self.server_args
+        chunk_budget = sa.chunked_prefill_size if sa.chunked_prefill_size > 0 else float("inf")
+        input_budget = max(sa.max_prefill_tokens, 1)
+        admitted: list[Req] = []
+        prefix_lens: list[int] = []
+        extend_lens: list[int] = []
+
+        def admit(req: Req, extend_len: int) -> bool:
+            nonlocal chunk_budget, input_budget
+            if not self._alloc_extend(req, extend_len):
+                return False
+            admitted.append(req)
+            prefix_lens.append(req.kv_len - extend_len)
+            extend_lens.append(extend_len)
+            chunk_budget -= extend_len
+            input_budget -= extend_len
+            return True
+
+        # A partly computed prompt continues first.
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            self.chunked_req = None
+            remaining = req.seq_len - req.kv_len
+            extend = min(remaining, self._page_floor(chunk_budget, remaining))
+            req.is_chunked = extend < remaining
+            if not admit(req, extend):
+                raise RuntimeError("out of KV memory while continuing a chunked prefill")
+
+        t0 = time.perf_counter()
+        ordered = self.policy.order(self.waiting_queue)
+        self.stats.tree_op_seconds += time.perf_counter() - t0
+        max_running = sa.max_running_requests
+        for req in ordered:
+            if len(self.running) + len(admitted) >= max_running or self.req_to_token_pool.available_size() == 0:
+                break
+            if chunk_budget <= 0 or input_budget <= 0 or admitted and admitted[-1].is_chunked:
+                break
+            if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
+                    and shares_uncached_prefix(req, admitted):
+                continue
+            t0 = time.perf_counter()
+            self.policy.match(req)  # fresh: earlier admissions may have evicted part of an older match
+            self.tree_cache.inc_lock_ref(req.last_node)
+            self.stats.tree_op_seconds += time.perf_counter() - t0
+            prefix_len = len(req.prefix_indices)
+            extend = req.seq_len - prefix_len
+            reserve = self._reserved_decode_tokens(self.running + admitted + [req])
+            if extend + reserve > self._available_tokens() and (self.running or admitted):
+                self.tree_cache.dec_lock_ref(req.last_node)
+                break
+            if extend > min(chunk_budget, input_budget):
+                if sa.chunked_prefill_size > 0:
+                    extend = self._page_floor(min(chunk_budget, input_budget), extend)
+                    if extend <= 0:
+                        self.tree_cache.dec_lock_ref(req.last_node)
+                        break
+                    req.is_chunked = True
+                elif admitted:
+                    self.tree_cache.dec_lock_ref(req.last_node)
+                    break
+            if not self._start_request(req) or not admit(req, extend):
+                self.tree_cache.dec_lock_ref(req.last_node)
+                if req.req_pool_idx is not None:
+                    self.req_to_token_pool.free(req.req_pool_idx)
+                    req.req_pool_idx = None
+                req.is_chunked = False
+                break
+            req.cached_tokens = max(req.cached_tokens, prefix_len) if req.num_retractions == 0 else req.cached_tokens
+            if req.num_retractions == 0:
+                self.stats.num_prompt_tokens += len(req.origin_input_ids)
+                self.stats.num_cached_tokens += prefix_len
+        if not admitted:
+            return None
+        admitted_ids = {id(r) for r in admitted}
+        for req in self.waiting_queue:
+            if id(req) not in admitted_ids:
+                req.skipped_rounds += 1
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted_ids]
+        return self._build_extend_batch(admitted, prefix_lens, extend_lens)
+
+    def _page_floor(self, budget, need: int) -> int:
+        """Largest chunk <= budget that ends on a page boundary (so the tree can take the chunk's KV)."""
+        n = int(min(budget, need))
+        if n < need and self.page_size > 1:
+            n -= n % self.page_size
+        return n
+
+    def _start_request(self, req: Req) -> bool:
+        """Gives the request a slot row and writes its cached prefix into it."""
+        idx = self.req_to_token_pool.alloc()
+        if idx is None:
+            return False
+        req.req_pool_idx = idx
+        req.kv_len = len(req.prefix_indices)
+        if req.kv_len:
+            self.req_to_token_pool.write(idx, 0, req.prefix_indices)
+        return True
+
+    def _alloc_slots(self, need: int, last_loc: int) -> torch.Tensor | None:
+        if need <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        # With pages, the tail may need one page more than need/page_size: ask for that much room.
+        room = need if self.page_size == 1 else need + self.page_size
+        shortfall = room - self.allocator.available_size()
+        if shortfall > 0:
+            t0 = time.perf_counter()
+            self.tree_cache.evict(shortfall)
+            self.stats.tree_op_seconds += time.perf_counter() - t0
+        return self.allocator.alloc_extend(last_loc, need)
+
+    def _last_loc(self, req: Req) -> int:
+        if req.kv_len == 0:
+            return -1
+        return int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len - 1])
+
+    def _alloc_extend(self, req: Req, extend_len: int) -> bool:
+        locs = self._alloc_slots(extend_len, self._last_loc(req))
+        if locs is None:
+            return False
+        self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, locs)
+        req.kv_len += extend_len
+        req.extend_input_len = extend_len
+        return True
+
+    def _build_extend_batch(self, reqs, prefix_lens, extend_lens) -> ScheduleBatch:
+        locs = []
+        logit_rows = []
+        offset = 0
+        for req, p, e in zip(reqs, prefix_lens, extend_lens):
+            locs.append(self.req_to_token_pool.req_to_token[req.req_pool_idx, p : p + e])
+            rows = []
+            if not req.input_logprobs_done:
+                # Positions whose logits score the next prompt token, from logprob_start_len - 1.
+                first = max(p, req.logprob_start_len - 1)
+                last = min(p + e, len(req.origin_input_ids) - 1)
+                rows = [offset + (pos - p) for pos in range(first, last)]
+            if not req.is_chunked:
+                rows.append(offset + e - 1)  # the last token's logits are sampled
+            logit_rows.append(rows)
+            offset += e
+        return ScheduleBatch(reqs, ForwardMode.EXTEND, prefix_lens, extend_lens,
+                             torch.cat(locs) if locs else torch.empty(0, dtype=torch.int64), logit_rows)
+
+    def _run_extend(self, batch: ScheduleBatch) -> list[Req]:
+        logits = self._forward(batch)
+        self.stats.num_prefill_batches += 1
+        outputs: list[Req] = []
+        sample_reqs, sample_rows = [], []
+        row = 0
+        for req, p, e, rows in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.logit_rows):
+            req_logits = logits[row : row + len(rows)]
+            row += len(rows)
+            if not req.input_logprobs_done:
+                n_prompt = len(rows) - (0 if req.is_chunked else 1)
+                self._add_input_logprobs(req, p, req_logits[:n_prompt])
+                if not req.is_chunked:
+                    req.input_logprobs_done = True
+            if req.is_chunked:
+                self._cache_unfinished(req)
+                self.chunked_req = req
+                continue
+            if req.sampling_params.max_new_tokens == 0 or req.remaining_new_tokens() == 0:
+                # Prefill only: the frontend's fork hint caches the prefix and returns.
+                req.finished_reason = finish_length(len(req.output_ids))
+                self._release(req)
+                outputs.append(req)
+                continue
+            sample_reqs.append(req)
+            sample_rows.append(req_logits[-1])
+        if sample_reqs:
+            outputs += self._sample_and_advance(sample_reqs, torch.stack(sample_rows), new_running=True)
+        return outputs
+
+    def _add_input_logprobs(self, req: Req, prefix_len: int, logits: torch.Tensor) -> None:
+        first = max(prefix_len, req.logprob_start_len - 1)
+        if req.logprob_start_len == 0 and prefix_len == 0:
+            req.input_token_logprobs.append((None, req.origin_input_ids[0]))
+            if req.top_logprobs_num:
+                req.input_top_logprobs.append(None)
+        if len(logits) == 0:
+            return
+        targets = torch.tensor(req.origin_input_ids[first + 1 : first + 1 + len(logits)], dtype=torch.int64,
+                               device=logits.device)
+        lps = token_logprobs(logits, targets).tolist()
+        req.input_token_logprobs.extend(zip(lps, targets.tolist()))
+        if req.top_logprobs_num:
+            vals, ids = top_logprobs(logits, req.top_logprobs_num)
+            req.input_top_logprobs.extend(list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist()))
+
+    # Decode ------------------------------------------------------------------------------------------------
+    def _run_decode(self) -> list[Req]:
+        self._retract_if_needed()
+        reqs = self.running
+        if not reqs:
+            return []
+        locs = []
+        for req in reqs:
+            loc = self._alloc_slots(1, self._last_loc(req))
+            assert loc is not None, "decode allocation failed after retraction check"
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, loc)
+            locs.append(loc)
+        batch = ScheduleBatch(reqs, ForwardMode.DECODE, out_cache_loc=torch.cat(locs))
+        logits = self._forward(batch)
+        for req in reqs:
+            req.kv_len += 1
+        self.stats.num_decode_batches += 1
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        return self._sample_and_advance(list(reqs), logits, new_running=False)
+
+    def _decode_need(self) -> int:
+        if self.page_size == 1:
+            return len(self.running)
+        # Only requests whose last page is full need a fresh page.
+        return sum(self.page_size for r in self.running if r.kv_len % self.page_size == 0)
+
+    def _retract_if_needed(self) -> None:
+        if self._decode_need() <= self._available_tokens():
+            return
+        # Retract the requests that have decoded least (cheapest to redo), longest prompts first among them.
+        self.running.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        retracted = []
+        while len(self.running) > 1 and self._decode_need() > self._available_tokens():
+            req = self.running.pop()
+            self._release(req)  # its KV goes into the tree: resuming it is mostly a cache hit
+            req.reset_for_retract()
+            retracted.append(req)
+        if self._decode_need() > self._available_tokens():
+            # One request alone has outgrown the pool: end it rather than stall the loop.
+            req = self.running.pop()
+            req.finished_reason = finish_abort("the sequence outgrew the KV cache; raise max_total_tokens", 507)
+            self._release(req)
+            self.just_aborted.append(req)
+        self.stats.num_retractions += len(retracted)
+        self.waiting_queue = retracted[::-1] + self.waiting_queue
+        self.new_token_ratio = 1.0  # be conservative again after running out of memory
+        logger.info("retracted %d requests under KV memory pressure", len(retracted))
+
+    # Shared by prefill and decode -------------------------------------------------------------------------
+    def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        fb = batch.to_forward_batch(self.device)
+        t0 = time.perf_counter()
+        logits = self.model_runner.forward(fb)
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.num_forward_tokens += len(fb.input_ids)
+        return logits
+
+    def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor, new_running: bool) -> list[Req]:
+        info = SamplingBatchInfo.from_requests(
+            [r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
+            [r.generator for r in reqs], self.eos_token_ids, self.model_runner.vocab_size, self.device)
+        next_ids = self.sampler(logits, info).tolist()
+        if any(r.return_logprob for r in reqs):
+            out_lps = token_logprobs(logits, torch.tensor(next_ids, device=logits.device)).tolist()
+        now = time.monotonic()
+        for i, (req, tok) in enumerate(zip(reqs, next_ids)):
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.return_logprob:
+                req.output_token_logprobs.append((out_lps[i], tok))
+                if req.top_logprobs_num:
+                    vals, ids = top_logprobs(logits[i : i + 1], req.top_logprobs_num)
+                    req.output_top_logprobs.append(list(zip(vals[0].tolist(), ids[0].tolist())))
+            self._check_finished(req)
+        self.stats.num_generated_tokens += len(reqs)
+        for req in reqs:
+            if req.finished():
+                if not new_running:
+                    self.running.remove(req)
+                self._release(req)
+            elif new_running:
+                self._cache_unfinished(req)  # share the prompt's KV with requests arriving meanwhile
+                self.running.append(req)
+        return reqs
+
+    def _check_finished(self, req: Req) -> None:
+        sp = req.sampling_params
+        tok = req.output_ids[-1]
+        if len(req.output_ids) < sp.min_new_tokens:
+            pass
+        elif not sp.ignore_eos and tok in self.eos_token_ids:
+            req.finished_reason = finish_stop(tok)
+            return
+        elif sp.stop_token_ids and tok in sp.stop_token_ids:
+            req.finished_reason = finish_stop(tok)
+            return
+        elif sp.stop:
+            tail = self.tokenizer.decode(req.output_ids[-(sp.stop_str_max_len + 1):])
+            for s in sp.stop:
+                if s in tail:
+                    req.finished_reason = finish_stop(s)
+                    return
+        if len(req.output_ids) >= sp.max_new_tokens:
+            req.finished_reason = finish_length(len(req.output_ids))
+        elif req.seq_len >= self.context_len:
+            req.finished_reason = finish_length(len(req.output_ids))
+
+    # KV hand-off to the tree ------------------------------------------------------------------------------
+    def _cache_unfinished(self, req: Req) -> None:
+        t0 = time.perf_counter()
+        self.tree_cache.cache_unfinished_req(req, req.all_ids[: req.kv_len])
+        self.stats.tree_op_seconds += time.perf_counter() - t0
+
+    def _release(self, req: Req) -> None:
+        """Request done (or retracted/aborted): its KV goes to the tree, its slot row is freed."""
+        if req.req_pool_idx is None:
+            return
+        t0 = time.perf_counter()
+        self.tree_cache.cache_finished_req(req, req.all_ids[: req.kv_len])
+        self.stats.tree_op_seconds += time.perf_counter() - t0
+        if req.finished():
+            self.stats.num_finished += 1
+
+    # Maintenance ------------------------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        if self.has_work():
+            return False
+        self.tree_cache.reset()
+        return True
+
+    def check_pool_whole(self) -> None:
+        """Idle invariant: every KV slot is free or evictable in the tree; nothing locked; all rows free."""
+        free = self.allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        problems = []
+        if free + evictable != self.max_total_num_tokens:
+            problems.append(f"free {free} + evictable {evictable} != total {self.max_total_num_tokens}")
+        if self.tree_cache.protected_size() != 0:
+            problems.append(f"{self.tree_cache.protected_size()} tokens still locked in the tree")
+        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
+            problems.append("request slots still held")
+        if problems:
+            raise PoolNotWholeError("KV pool not whole at idle: " + "; ".join(problems))
+
+    def get_stats(self) -> dict:
+        s = self.stats
+        return {
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_cached_tokens": s.num_cached_tokens,
+            "cache_hit_rate": s.cache_hit_rate,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_prefill_batches": s.num_prefill_batches,
+            "num_decode_batches": s.num_decode_batches,
+            "num_forward_tokens": s.num_forward_tokens,
+            "num_retractions": s.num_retractions,
+            "num_evicted_tokens": getattr(self.tree_cache, "num_evicted_tokens", 0),
+            "num_finished": s.num_finished,
+            "num_aborted": s.num_aborted,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting_queue) + (1 if self.chunked_req else 0),
+            "tree_op_seconds": s.tree_op_seconds,
+            "forward_seconds": s.forward_seconds,
+            "free_tokens": self.allocator.available_size(),
+            "evictable_tokens": self.tree_cache.evictable_size(),
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "new_token_ratio": self.new_token_ratio,
+        }

@@ -1,0 +1,43 @@
+"""What one forward pass needs to know: which tokens, where their KV goes, and each request's layout."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # new tokens (a prompt, a chunk of one, or a jump-forward tail) after a cached prefix
+    DECODE = "decode"  # exactly one new token per request
+
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    out_cache_loc: torch.Tensor  # [num_tokens] KV slot each new token writes
+    req_pool_indices: torch.Tensor  # [bs]
+    seq_lens: torch.Tensor  # [bs] total length including the new tokens
+    seq_lens_cpu: list[int]
+    # Extend only: per request, cached prefix length and number of new tokens.
+    extend_prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    # Rows of the hidden states whose logits are needed (last token of each request, plus prompt-logprob spans).
+    logits_indices: torch.Tensor | None = None
+    # Filled in by the model runner.
+    req_to_token_pool: object = None
+    token_to_kv_pool: object = None
+    attn_backend: object = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)

@@ -1,0 +1,19 @@
+"""Architecture name (config.architectures[0]) -> our model class."""
+
+from .llama import LlamaForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(config):
+    archs = getattr(config, "architectures", None) or []
+    if not archs and getattr(config, "model_type", None) in ("llama", "mistral", "qwen2"):
+        return LlamaForCausalLM
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(f"Model architecture {archs or config.model_type} is not supported; supported: {sorted(MODEL_REGISTRY)}")

@@ -1,0 +1,91 @@
+"""Every runtime knob in one dataclass. CLI flags are generated from the fields (see ``add_cli_args``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class ServerArgs:
+    # Model
+    model_path: str | None = field(default=None, metadata={"help": "HF model dir, hub id, or .gguf file; default: embedded SmolLM2-135M-Instruct"})
+    tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer dir (default: the model's)"})
+    load_format: str = field(default="auto", metadata={"help": "auto (weights from model_path) or dummy (random weights from its config)", "choices": LOAD_FORMATS})
+    dtype: str = field(default="auto", metadata={"help": "auto: float32 on CPU, bfloat16 on GPU when supported", "choices": DTYPES})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    context_length: int | None = field(default=None, metadata={"help": "Override the model's max context length"})
+    served_model_name: str | None = field(default=None, metadata={"help": "Name reported by /v1/models"})
+    random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling"})
+
+    # Memory
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (default: sized from memory)"})
+    mem_fraction_static: float = field(default=0.85, metadata={"help": "GPU: fraction of memory for weights + KV pool"})
+    max_running_requests: int = field(default=256, metadata={"help": "Request slots (running batch size cap)"})
+    page_size: int = field(default=1, metadata={"help": "KV page size in tokens"})
+
+    # Scheduling
+    schedule_policy: str = field(default="lpm", metadata={"help": "Waiting-queue order", "choices": SCHEDULE_POLICIES})
+    max_prefill_tokens: int = field(default=16384, metadata={"help": "Max new prompt tokens in one prefill batch"})
+    chunked_prefill_size: int = field(default=8192, metadata={"help": "Split prompts longer than this (<=0 disables)"})
+    schedule_conservativeness: float = field(default=1.0, metadata={"help": "Scales reserved decode growth"})
+    starvation_limit: int = field(default=64, metadata={"help": "A request passed over this many scheduling rounds is admitted first (aging)"})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "No prefix reuse (ablation)"})
+    enable_in_batch_prefix_dedup: bool = field(default=True, metadata={"help": "Hold back requests whose shared prefix is being computed"})
+
+    # Runtime
+    attention_backend: str = field(default="torch_native", metadata={"help": "Attention kernels", "choices": ATTENTION_BACKENDS})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "GPU: no CUDA graphs for decode"})
+    check_pool_on_idle: bool = field(default=False, metadata={"help": "Raise if the KV pool is not whole when idle (tests)"})
+
+    # Server
+    host: str = field(default="127.0.0.1", metadata={"help": "Bind address"})
+    port: int = field(default=30000, metadata={"help": "HTTP port"})
+    api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY'"})
+    log_level: str = field(default="info", metadata={"help": "Logging level"})
+
+    def __post_init__(self):
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"Unknown engine argument(s) {unknown}; valid ones: {sorted(names)}")
+        return cls(**kwargs)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            base = str(f.type).split("|")[0].strip()
+            typ = {"int": int, "float": float}.get(base, str)
+            parser.add_argument(flag, type=typ, default=f.default, choices=f.metadata.get("choices"),
+                                help=f"{help_text} (default: {f.default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
