@@ -35,6 +35,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .runtime.entrypoints.http_server import launch_server
+    from .runtime.server_args import ServerArgs
+
+    launch_server(ServerArgs.from_cli_args(args))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .runtime.server_args import ServerArgs
 
@@ -47,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--temperature", type=float, default=0.0)
     ServerArgs.add_cli_args(demo)
     demo.set_defaults(func=cmd_demo)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: embedded SmolLM2 on 127.0.0.1:30000)")
+    ServerArgs.add_cli_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -15,10 +15,10 @@ import time
 import uuid
 from typing import Any, Iterator
 
-from .managers.detokenizer_manager import DetokenizerState
+from .managers.detokenizer_manager import DetokenizerState, format_logprob_pairs
 from .managers.schedule_batch import Req
 from .managers.scheduler import Scheduler
-from .sampling_params import SamplingParams
+from .managers.validation import check_input_ids, check_logprob_args, parse_sampling_params
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class Engine:
         self.model_dir, self.config, self.tokenizer = load_model_assets(self.server_args)
         self.scheduler = Scheduler(self.server_args, self.config, self.model_dir, self.tokenizer)
         self.context_len = self.scheduler.context_len
+        self.limits = self.scheduler.limits
         self._handles: dict[str, _Handle] = {}
         self._inbox: list[tuple[str, Any]] = []
         self._cond = threading.Condition()
@@ -179,14 +180,9 @@ class Engine:
 
         reqs = []
         for ids, sp_dict, lp, start, top, r in zip(ids_list, params, logprob_flags, starts, tops, rids):
-            sp = SamplingParams.from_dict(sp_dict)
-            sp.verify(self.scheduler.model_runner.vocab_size)
-            sp.normalize(self.tokenizer)
-            self.scheduler.validate(ids, sp)
-            if top and top < 0:
-                raise ValueError("top_logprobs_num must be >= 0")
-            if start is not None and start >= 0 and start > len(ids):
-                raise ValueError(f"logprob_start_len {start} is beyond the prompt ({len(ids)} tokens)")
+            sp = parse_sampling_params(sp_dict, self.limits, self.tokenizer)
+            check_input_ids(ids, self.limits)
+            check_logprob_args(len(ids), start, top)
             req_start = start if start is not None else -1
             if lp and start is None:
                 req_start = -1  # output logprobs only
@@ -258,7 +254,7 @@ class Engine:
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     def _fmt(self, pairs, with_text: bool) -> list:
-        return [(lp, tid, self.tokenizer.decode([tid]) if with_text else None) for lp, tid in pairs]
+        return format_logprob_pairs(pairs, self.tokenizer, with_text)
 
     def _deliver(self, req: Req) -> None:
         h = self._handles.get(req.rid)

@@ -60,3 +60,48 @@ class DetokenizerState:
         piece = text[len(self.sent):]
         self.sent = text
         return piece
+
+
+def run_detokenizer_process(server_args, ipc: dict, tokenizer_path: str) -> None:
+    """TokenOut (token ids) from the scheduler -> StrOut (text pieces) to the tokenizer manager."""
+    import logging
+    import os
+
+    import zmq
+
+    from ..model_loader.loader import load_tokenizer
+    from .io_struct import ControlOut, StrOut, TokenOut
+
+    logging.basicConfig(level=server_args.log_level.upper(), format="[detokenizer] %(levelname)s %(message)s")
+    tokenizer = load_tokenizer(tokenizer_path)
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(ipc["detokenizer_input"])
+    send = ctx.socket(zmq.PUSH)
+    send.connect(ipc["tokenizer_input"])
+    states: dict[str, tuple[DetokenizerState, list[int]]] = {}
+    parent = os.getppid()
+    while True:
+        if not recv.poll(1000):
+            if os.getppid() != parent:
+                return
+            continue
+        msg = recv.recv_pyobj()
+        if isinstance(msg, ControlOut):
+            send.send_pyobj(msg)
+            continue
+        assert isinstance(msg, TokenOut)
+        if msg.rid not in states:
+            states[msg.rid] = (DetokenizerState(tokenizer, **(msg.detok_options or {})), [])
+        state, ids = states[msg.rid]
+        ids.extend(msg.new_ids)
+        finished = msg.finished_reason is not None
+        text = state.step(ids, finished) if msg.stream else state.full_text(ids)
+        if finished:
+            del states[msg.rid]
+        send.send_pyobj(StrOut(msg.rid, text, msg.new_ids, msg.finished_reason, msg.meta))
+
+
+def format_logprob_pairs(pairs, tokenizer, with_text: bool) -> list:
+    """(logprob, token_id) pairs -> [logprob, token_id, token_text | None] as the native API returns them."""
+    return [[lp, tid, tokenizer.decode([tid]) if with_text else None] for lp, tid in pairs]

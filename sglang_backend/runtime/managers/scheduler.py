@@ -96,20 +96,11 @@ class Scheduler:
         return ids
 
     # Requests in / out ----------------------------------------------------------------------------------------
-    def validate(self, input_ids: list[int], sampling_params) -> None:
-        """Errors a request must get before it is queued (ValueError with the reason)."""
-        if not input_ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        n = len(input_ids)
-        if n >= self.context_len:
-            raise ValueError(f"the prompt has {n} tokens, but the model's context length is {self.context_len}; "
-                             f"shorten it to at most {self.context_len - 1} tokens")
-        if n + 1 > self.max_total_num_tokens:
-            raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({self.max_total_num_tokens})")
-        vocab = self.model_runner.vocab_size
-        bad = [t for t in input_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"input_ids contain token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    @property
+    def limits(self):
+        from .validation import ModelLimits
+
+        return ModelLimits(self.context_len, self.max_total_num_tokens, self.model_runner.vocab_size)
 
     def add_request(self, req: Req) -> None:
         self.waiting_queue.append(req)
@@ -520,3 +511,116 @@ class Scheduler:
             "max_total_num_tokens": self.max_total_num_tokens,
             "new_token_ratio": self.new_token_ratio,
         }
+
+
+# The scheduler process (server mode) ------------------------------------------------------------------------------
+def run_scheduler_process(server_args, ipc: dict, ready_conn) -> None:
+    """Loads the model, then loops: drain requests from the tokenizer manager, step, send outputs on."""
+    import os
+    import pickle
+
+    import zmq
+
+    from ..engine import load_model_assets
+    from ..sampling_params import SamplingParams
+    from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, SchedulerReady, TokenizedGenerateReq, TokenOut
+
+    logging.basicConfig(level=server_args.log_level.upper(), format="[scheduler] %(levelname)s %(message)s")
+    try:
+        model_dir, config, tokenizer = load_model_assets(server_args)
+        sched = Scheduler(server_args, config, model_dir, tokenizer)
+    except BaseException as e:  # noqa: BLE001 - report start-up failure to the parent, then exit
+        ready_conn.send(SchedulerFailed(f"{type(e).__name__}: {e}"))
+        raise SystemExit(1)
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(ipc["scheduler_input"])
+    send = ctx.socket(zmq.PUSH)
+    send.connect(ipc["detokenizer_input"])
+    ready_conn.send(SchedulerReady({
+        "model_dir": model_dir,
+        "context_len": sched.context_len,
+        "max_total_num_tokens": sched.max_total_num_tokens,
+        "vocab_size": sched.model_runner.vocab_size,
+        "max_running_requests": server_args.max_running_requests,
+        "device": sched.device,
+        "dtype": str(sched.model_runner.dtype).replace("torch.", ""),
+        "pid": os.getpid(),
+    }))
+    sent: dict[str, list[int]] = {}  # rid -> [ids sent, input logprobs sent, output logprobs sent]
+    parent = os.getppid()
+
+    def emit(req: Req) -> None:
+        marks = sent.setdefault(req.rid, [0, 0, 0])
+        finished = req.finished()
+        if not (finished or req.stream):
+            return
+        meta = {
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+        }
+        if req.return_logprob:
+            meta["input_token_logprobs"] = req.input_token_logprobs[marks[1]:]
+            meta["output_token_logprobs"] = req.output_token_logprobs[marks[2]:]
+            if req.top_logprobs_num:
+                meta["input_top_logprobs"] = req.input_top_logprobs[marks[1]:]
+                meta["output_top_logprobs"] = req.output_top_logprobs[marks[2]:]
+        sp = req.sampling_params
+        detok = None
+        if marks == [0, 0, 0]:
+            detok = {"skip_special_tokens": sp.skip_special_tokens,
+                     "spaces_between_special_tokens": sp.spaces_between_special_tokens,
+                     "stop": sp.stop, "no_stop_trim": sp.no_stop_trim}
+        out = TokenOut(req.rid, req.output_ids[marks[0]:], req.finished_reason, meta, req.stream, detok)
+        marks[:] = [len(req.output_ids), len(req.input_token_logprobs), len(req.output_token_logprobs)]
+        if finished:
+            sent.pop(req.rid, None)
+        send.send_pyobj(out)
+
+    def handle(msg) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            sp = SamplingParams.from_dict(msg.sampling_params)
+            sp.normalize(tokenizer)
+            sched.add_request(Req(msg.rid, msg.input_ids, sp, msg.return_logprob, msg.logprob_start_len,
+                                  msg.top_logprobs_num, msg.extra_key, msg.stream))
+        elif isinstance(msg, AbortReq):
+            req = sched.abort_request(msg.rid)
+            if req is not None:
+                emit(req)
+        elif isinstance(msg, ControlReq):
+            if msg.kind == "flush_cache":
+                result = sched.flush_cache()
+            elif msg.kind == "get_stats":
+                result = sched.get_stats()
+            elif msg.kind == "check_pool":
+                try:
+                    if sched.has_work():
+                        raise PoolNotWholeError("scheduler is not idle")
+                    sched.check_pool_whole()
+                    result = None
+                except PoolNotWholeError as e:
+                    result = str(e)
+            else:
+                result = {"error": f"unknown control {msg.kind!r}"}
+            send.send_pyobj(ControlOut(msg.req_id, result))
+
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    while True:
+        timeout = 0 if sched.has_work() else 1000
+        if poller.poll(timeout):
+            while True:
+                try:
+                    msg = recv.recv_pyobj(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except pickle.UnpicklingError:
+                    logger.exception("dropping an unreadable message")
+                    continue
+                handle(msg)
+        elif os.getppid() != parent:
+            return  # the server process is gone: do not linger as an orphan
+        if sched.has_work():
+            for req in sched.step():
+                emit(req)

@@ -1,0 +1,102 @@
+"""Pydantic models for the OpenAI-compatible API (requests validated with bounds; unknown fields ignored,
+as other OpenAI-compatible servers do, so newer clients keep working)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 64
+MAX_STOP = 16
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+
+class _SamplingFields(_Base):
+    """Fields shared by /v1/completions and /v1/chat/completions (standard + our extra-body ones)."""
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0, le=100)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extra body (SGLang-compatible).
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = False
+    regex: str | None = None
+    json_schema: Union[str, dict, None] = None
+    ebnf: str | None = None
+    rid: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+
+class GenerateRequest(_Base):
+    """Native /generate (SGLang's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[int], list[list[int]], None] = None
+    sampling_params: Union[dict, list[dict], None] = None
+    stream: bool = False
+    return_logprob: Union[bool, list[bool]] = False
+    logprob_start_len: Union[int, list[int], None] = None
+    top_logprobs_num: Union[int, list[int], None] = None
+    return_text_in_logprobs: bool = False
+    image_data: Any = None
+    rid: Union[str, list[str], None] = None
+    extra_key: str | None = None

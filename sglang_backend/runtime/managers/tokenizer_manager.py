@@ -1,0 +1,254 @@
+"""The HTTP process's side of the pipeline: tokenizes and validates requests, sends them to the scheduler
+process, and routes text coming back from the detokenizer process to each waiting request.
+
+Process layout (all on this host, ZMQ over IPC sockets):
+    HTTP + TokenizerManager --> Scheduler (model, KV pool, radix tree) --> Detokenizer --> TokenizerManager
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, StrOut, TokenizedGenerateReq
+from .validation import ModelLimits, check_input_ids, check_logprob_args, parse_sampling_params
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600
+
+
+class ServerUnavailable(RuntimeError):
+    """A pipeline process died: requests fail fast instead of hanging."""
+
+
+@dataclass
+class RequestState:
+    rid: str
+    queue: asyncio.Queue
+    stream: bool
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class GenerateInput:
+    """One prompt, tokenized and validated."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int = 0
+    extra_key: object = None
+
+
+class TokenizerManager:
+    def __init__(self, server_args):
+        self.server_args = server_args
+        self.rid_to_state: dict[str, RequestState] = {}
+        self.control_waiters: dict[str, asyncio.Future] = {}
+        self.procs: list[mp.Process] = []
+        self.dead_reason: str | None = None
+        self.info: dict = {}
+        self.metrics = None  # set by the HTTP server
+
+    # Start-up / shutdown ------------------------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Starts the scheduler and detokenizer processes and waits until the model is loaded."""
+        from ..engine import load_model_assets  # noqa: F401  (import check before spawning)
+        from ..model_loader.loader import load_tokenizer, resolve_model_path
+        from .detokenizer_manager import run_detokenizer_process
+        from .scheduler import run_scheduler_process
+
+        sa = self.server_args
+        model_dir = resolve_model_path(sa.model_path)  # fails fast (ValueError) on unknown models
+        self.tokenizer = load_tokenizer(sa.tokenizer_path or model_dir)
+        self.ipc_dir = tempfile.mkdtemp(prefix="sglang-backend-")
+        ipc = {name: f"ipc://{self.ipc_dir}/{name}" for name in ("scheduler_input", "detokenizer_input", "tokenizer_input")}
+        ctx = mp.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        sched = ctx.Process(target=run_scheduler_process, args=(sa, ipc, child_conn), name="sglang-backend-scheduler", daemon=True)
+        detok = ctx.Process(target=run_detokenizer_process, args=(sa, ipc, sa.tokenizer_path or model_dir),
+                            name="sglang-backend-detokenizer", daemon=True)
+        self.zmq_ctx = zmq.asyncio.Context()
+        self.recv = self.zmq_ctx.socket(zmq.PULL)
+        self.recv.bind(ipc["tokenizer_input"])
+        sched.start()
+        detok.start()
+        self.procs = [sched, detok]
+        if not parent_conn.poll(STARTUP_TIMEOUT_S):
+            self.shutdown()
+            raise RuntimeError("the scheduler process did not become ready in time")
+        msg = parent_conn.recv()
+        if isinstance(msg, SchedulerFailed):
+            self.shutdown()
+            raise RuntimeError(f"the scheduler process failed to start: {msg.error}")
+        self.info = msg.info
+        self.limits = ModelLimits(self.info["context_len"], self.info["max_total_num_tokens"], self.info["vocab_size"])
+        self.send = self.zmq_ctx.socket(zmq.PUSH)
+        self.send.connect(ipc["scheduler_input"])
+
+    def start_background(self) -> None:
+        """Called inside the server's event loop."""
+        self.loop_task = asyncio.create_task(self._recv_loop())
+        self.watch_task = asyncio.create_task(self._watch_processes())
+
+    def shutdown(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.procs = []
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_reason is None and all(p.is_alive() for p in self.procs)
+
+    async def _watch_processes(self) -> None:
+        while self.dead_reason is None:
+            await asyncio.sleep(0.5)
+            for p in self.procs:
+                if not p.is_alive():
+                    self._fail_all(f"{p.name} exited with code {p.exitcode}")
+                    return
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        logger.error("pipeline failure: %s", reason)
+        for state in self.rid_to_state.values():
+            state.queue.put_nowait(ServerUnavailable(reason))
+        for fut in self.control_waiters.values():
+            if not fut.done():
+                fut.set_exception(ServerUnavailable(reason))
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.recv.recv_pyobj()
+            if isinstance(msg, ControlOut):
+                fut = self.control_waiters.pop(msg.req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.result)
+                continue
+            assert isinstance(msg, StrOut)
+            state = self.rid_to_state.get(msg.rid)
+            if state is None:
+                continue  # the client went away
+            state.queue.put_nowait(msg)
+
+    # Requests ---------------------------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def prepare(self, *, text: str | None = None, input_ids: list[int] | None = None, sampling_params: dict | None = None,
+                rid: str | None = None, stream: bool = False, return_logprob: bool = False,
+                logprob_start_len: int | None = None, top_logprobs_num: int | None = 0, extra_key=None) -> GenerateInput:
+        """Tokenizes and validates one prompt; raises ValueError with the reason."""
+        if self.dead_reason is not None:
+            raise ServerUnavailable(self.dead_reason)
+        if (text is None) == (input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        ids = self.tokenize(text) if text is not None else list(input_ids)
+        check_input_ids(ids, self.limits)
+        parse_sampling_params(sampling_params, self.limits, self.tokenizer)
+        check_logprob_args(len(ids), logprob_start_len, top_logprobs_num)
+        rid = rid or uuid.uuid4().hex
+        if rid in self.rid_to_state:
+            raise ValueError(f"request id {rid!r} is already in use")
+        return GenerateInput(rid, ids, dict(sampling_params or {}), stream, return_logprob, logprob_start_len,
+                             int(top_logprobs_num or 0), extra_key)
+
+    async def generate(self, gi: GenerateInput) -> AsyncIterator[dict]:
+        """Yields result dicts: text pieces while streaming, then the final one (with finish_reason)."""
+        state = RequestState(gi.rid, asyncio.Queue(), gi.stream)
+        self.rid_to_state[gi.rid] = state
+        start = gi.logprob_start_len if gi.logprob_start_len is not None else -1
+        self.send.send_pyobj(TokenizedGenerateReq(gi.rid, gi.input_ids, gi.sampling_params, gi.return_logprob, start,
+                                                  gi.top_logprobs_num, gi.stream, gi.extra_key))
+        finished = False
+        try:
+            while True:
+                msg = await state.queue.get()
+                if isinstance(msg, Exception):
+                    raise msg
+                finished = msg.finished_reason is not None
+                self._merge(state, msg)
+                if state.first_token_time is None and msg.output_ids:
+                    state.first_token_time = time.monotonic()
+                    if self.metrics:
+                        self.metrics.observe_ttft(state.first_token_time - state.created)
+                yield self._result(state, msg.text if gi.stream else state.text, msg.finished_reason)
+                if finished:
+                    if self.metrics:
+                        self.metrics.observe_finished(state)
+                        self.metrics.observe_reason(msg.finished_reason.get("type", "unknown"))
+                    return
+        finally:
+            self.rid_to_state.pop(gi.rid, None)
+            if not finished and self.dead_reason is None:
+                # Client disconnected (or cancelled): free its KV now.
+                self.send.send_pyobj(AbortReq(gi.rid))
+
+    def _merge(self, state: RequestState, msg: StrOut) -> None:
+        state.output_ids.extend(msg.output_ids)
+        state.text = msg.text if not state.stream else state.text + msg.text
+        for key, value in msg.meta.items():
+            if isinstance(value, list):
+                state.meta.setdefault(key, []).extend(value)
+            else:
+                state.meta[key] = value
+
+    def _result(self, state: RequestState, text: str, finish_reason) -> dict:
+        meta = dict(state.meta)
+        meta["id"] = state.rid
+        meta["finish_reason"] = finish_reason
+        meta["e2e_latency"] = time.monotonic() - state.created
+        return {"text": text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+    def abort(self, rid: str) -> bool:
+        if rid not in self.rid_to_state:
+            return False
+        self.send.send_pyobj(AbortReq(rid))
+        return True
+
+    async def control(self, kind: str, timeout: float = 30.0):
+        if self.dead_reason is not None:
+            raise ServerUnavailable(self.dead_reason)
+        req_id = uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        self.control_waiters[req_id] = fut
+        self.send.send_pyobj(ControlReq(kind, req_id))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.control_waiters.pop(req_id, None)
+
+    def num_running(self) -> int:
+        return len(self.rid_to_state)
+
+    def cleanup_ipc(self) -> None:
+        try:
+            for name in os.listdir(self.ipc_dir):
+                os.unlink(os.path.join(self.ipc_dir, name))
+            os.rmdir(self.ipc_dir)
+        except OSError:
+            pass

@@ -1,0 +1,364 @@
+"""RadixAttention's prefix cache: a radix tree over token ids whose nodes hold KV slot indices.
+
+Each edge carries a run of token ids (``node.key``) and the KV slots that hold their K/V (``node.value``,
+same length). A path from the root spells a cached prefix; ``match_prefix`` finds the longest one and
+returns its slots so prefill only has to compute the rest.
+
+* Sharing is in whole pages: every edge length is a multiple of ``page_size`` and children are keyed by
+  their first page, so a KV page belongs to exactly one node (or one request, or the free list).
+* Namespaces: the root's children are keyed by ``(extra_key, first_page)``, so keys with different
+  ``extra_key`` (image hash, LoRA id, cache salt; ``None`` is a namespace too) never share a node.
+* Running requests lock the path to their matched prefix (``lock_ref`` counts); only unlocked leaves are
+  evicted, least recently used first, and a parent that becomes an unlocked leaf is evicted in turn.
+* ``evictable_size`` / ``protected_size`` are kept exact incrementally; ``check_invariants`` recounts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterator
+
+import torch
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _as_list(token_ids) -> list[int]:
+    # Tensors must become plain ints: tensor scalars hash by identity and would never match a dict key.
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.tolist()
+    return list(token_ids)
+
+
+class TreeNode:
+    _ids = itertools.count()
+
+    __slots__ = ("id", "key", "value", "children", "parent", "lock_ref", "last_access_time", "extra_key")
+
+    def __init__(
+        self,
+        key: list[int] | None = None,
+        value: torch.Tensor | None = None,
+        parent: TreeNode | None = None,
+        extra_key: Hashable = None,
+        last_access_time: int = 0,
+    ):
+        self.id = next(TreeNode._ids)  # unique, breaks ties in the eviction heap
+        self.key: list[int] = key if key is not None else []
+        self.value: torch.Tensor = value if value is not None else _EMPTY
+        self.children: dict[Any, TreeNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access_time = last_access_time
+        self.extra_key = extra_key
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        key = self.key if len(self.key) <= 8 else self.key[:8] + ["..."]
+        return f"TreeNode(id={self.id}, key={key}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    device_indices: torch.Tensor  # KV slots of the matched prefix (cpu int64)
+    last_node: TreeNode  # node whose path ends exactly at the matched length (root if nothing matched)
+
+
+class RadixCache:
+    disable = False
+
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int = 1):
+        if token_to_kv_pool_allocator is not None:
+            assert token_to_kv_pool_allocator.page_size == page_size, "tree and allocator disagree on page_size"
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self.num_evicted_tokens = 0  # cumulative over the cache's life, flushes included
+        self.root_node: TreeNode | None = None
+        self.reset()
+
+    # ------------------------------------------------------------------ basics
+
+    def reset(self) -> None:
+        if self.root_node is not None:
+            assert self._protected == 0, "reset() while requests still lock cached prefixes"
+            self._free([node.value for node in self._iter_nodes()])
+        self.root_node = TreeNode()
+        self._evictable = 0
+        self._protected = 0
+        self._clock = 0
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    def _tick(self) -> int:
+        # A counter, not wall time: strictly ordered and deterministic in tests.
+        self._clock += 1
+        return self._clock
+
+    def _free(self, slots) -> None:
+        if isinstance(slots, list):
+            slots = torch.cat(slots) if slots else _EMPTY
+        if len(slots) and self.token_to_kv_pool_allocator is not None:
+            self.token_to_kv_pool_allocator.free(slots)
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _child_key(self, parent: TreeNode, key: list[int], pos: int, extra_key: Hashable):
+        first = key[pos] if self.page_size == 1 else tuple(key[pos : pos + self.page_size])
+        # The namespace only needs to separate the root's children: everything below inherits it.
+        return (extra_key, first) if parent is self.root_node else first
+
+    def _common_len(self, edge: list[int], key: list[int], pos: int) -> int:
+        """Leading tokens shared by ``edge`` and ``key[pos:]``, rounded down to whole pages."""
+        n = min(len(edge), len(key) - pos)
+        i = 0
+        while i < n and edge[i] == key[pos + i]:
+            i += 1
+        return self._aligned(i)
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut ``child``'s edge after ``n`` tokens; return the new upper node.
+
+        The lower half keeps the original node object, so a request holding it as ``last_node`` still
+        points at the end of its prefix. The upper half inherits lock_ref (every lock through the child
+        also passes through it) and the access time, so sizes and LRU order are unchanged.
+        """
+        parent = child.parent
+        upper = TreeNode(child.key[:n], child.value[:n], parent, child.extra_key, child.last_access_time)
+        upper.lock_ref = child.lock_ref
+        parent.children[self._child_key(parent, child.key, 0, child.extra_key)] = upper
+        child.key = child.key[n:]
+        child.value = child.value[n:]
+        child.parent = upper
+        upper.children[self._child_key(upper, child.key, 0, child.extra_key)] = child
+        return upper
+
+    # ------------------------------------------------------------------ match / insert
+
+    def match_prefix(self, token_ids, extra_key: Hashable = None) -> MatchResult:
+        key = _as_list(token_ids)
+        key = key[: self._aligned(len(key))]
+        tick = self._tick()
+        node, pos, values = self.root_node, 0, []
+        while pos < len(key):
+            child = node.children.get(self._child_key(node, key, pos, extra_key))
+            if child is None:
+                break
+            n = self._common_len(child.key, key, pos)  # >= one page: the first page matched the dict key
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = tick
+            values.append(child.value)
+            pos += n
+            node = child
+        indices = torch.cat(values) if values else _EMPTY.clone()
+        return MatchResult(indices, node)
+
+    def insert(self, token_ids, kv_indices: torch.Tensor, extra_key: Hashable = None) -> int:
+        key = _as_list(token_ids)
+        aligned = self._aligned(len(key))
+        key = key[:aligned]
+        assert len(kv_indices) >= aligned, "fewer KV slots than tokens"
+        # Own copy: callers often pass a view of a req_to_token row that will be reused.
+        value = kv_indices[:aligned].to("cpu", torch.int64).clone()
+        tick = self._tick()
+        node, pos = self.root_node, 0
+        while pos < aligned:
+            ck = self._child_key(node, key, pos, extra_key)
+            child = node.children.get(ck)
+            if child is None:
+                leaf = TreeNode(key[pos:], value[pos:], node, extra_key, tick)
+                node.children[ck] = leaf
+                self._evictable += len(leaf.key)  # new nodes start unlocked
+                return pos
+            n = self._common_len(child.key, key, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = tick
+            pos += n
+            node = child
+        return pos
+
+    # ------------------------------------------------------------------ eviction and locking
+
+    def evict(self, num_tokens: int) -> int:
+        if num_tokens <= 0:
+            return 0
+        heap = [(n.last_access_time, n.id, n) for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed, slots = 0, []
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[self._child_key(parent, node.key, 0, node.extra_key)]
+            node.parent = None
+            slots.append(node.value)
+            freed += len(node.key)
+            self._evictable -= len(node.key)
+            # Leaves first: a shared ancestor goes only once nothing below it is left.
+            if False:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        self._free(slots)
+        self.num_evicted_tokens += freed
+        return freed
+
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root_node:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode | None) -> None:
+        while node is not None and node is not self.root_node:
+            assert node.lock_ref > 0, f"unlocking an unlocked node {node}"
+            if node.lock_ref == 1:
+                self._protected -= len(node.key)
+                self._evictable += len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+
+    # ------------------------------------------------------------------ request hooks
+
+    def cache_finished_req(self, req, token_ids) -> None:
+        """Hand a finished request's KV to the tree; free what the tree cannot or need not keep."""
+        token_ids = _as_list(token_ids)
+        n, aligned, n_prefix = len(token_ids), self._aligned(len(token_ids)), len(req.prefix_indices)
+        assert n >= n_prefix
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].clone()
+        present = self.insert(token_ids[:aligned], kv[:aligned], getattr(req, "extra_key", None))
+        assert present >= n_prefix, "the locked prefix vanished from the tree"
+        # [n_prefix, present): another request cached these tokens meanwhile; ours are duplicates.
+        # [aligned, n): a partial page cannot be shared, so it is not cached.
+        self._free([kv[n_prefix:present], kv[aligned:]])
+        self.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.last_node = None
+
+    def cache_unfinished_req(self, req, token_ids) -> None:
+        """Cache a running request's KV so far (chunked prefill / sharing a prompt) and re-lock it.
+
+        Afterwards the request's row points at the tree's slots for the page-aligned part; the partial
+        last page stays owned by the request.
+        """
+        token_ids = _as_list(token_ids)
+        n, aligned, n_prefix = len(token_ids), self._aligned(len(token_ids)), len(req.prefix_indices)
+        assert n >= n_prefix
+        extra_key = getattr(req, "extra_key", None)
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].clone()
+        present = self.insert(token_ids[:aligned], kv[:aligned], extra_key)
+        assert present >= n_prefix, "the locked prefix vanished from the tree"
+        self._free(kv[n_prefix:present])
+        match = self.match_prefix(token_ids[:aligned], extra_key)
+        assert len(match.device_indices) == aligned
+        self.req_to_token_pool.write(req.req_pool_idx, 0, match.device_indices)
+        self.inc_lock_ref(match.last_node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_indices = match.device_indices
+        req.last_node = match.last_node
+
+    # ------------------------------------------------------------------ debugging
+
+    def _iter_nodes(self) -> Iterator[TreeNode]:
+        """All nodes except the root, parents before children."""
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _recount(self) -> tuple[int, int]:
+        """(evictable, protected) by walking the tree."""
+        evictable = protected = 0
+        for node in self._iter_nodes():
+            if node.lock_ref > 0:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+        return evictable, protected
+
+    def check_invariants(self) -> None:
+        ps = self.page_size
+        root = self.root_node
+        assert root.parent is None and root.lock_ref == 0 and not root.key
+        slots = []
+        for node in self._iter_nodes():
+            parent = node.parent
+            assert parent is not None, f"{node} has no parent"
+            assert len(node.key) > 0 and len(node.key) % ps == 0, f"{node}: empty or not whole pages"
+            assert len(node.value) == len(node.key), f"{node}: {len(node.value)} slots for {len(node.key)} tokens"
+            # Stored under its own first page, so two children can never share one (dict keys are unique).
+            assert parent.children.get(self._child_key(parent, node.key, 0, node.extra_key)) is node, (
+                f"{node} is not filed under its first page in its parent"
+            )
+            if parent is not root:
+                assert node.extra_key == parent.extra_key, f"{node} left its parent's namespace"
+                # Every access to a node also touches its ancestors, so parents are never older.
+                assert parent.last_access_time >= node.last_access_time, f"{node} is newer than its parent"
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node}: lock_ref too small"
+            slots.append(node.value)
+        evictable, protected = self._recount()
+        assert (evictable, protected) == (self._evictable, self._protected), (
+            f"sizes drifted: counted {(evictable, protected)}, tracked {(self._evictable, self._protected)}"
+        )
+        if slots:
+            all_slots = torch.cat(slots)
+            assert len(torch.unique(all_slots)) == len(all_slots), "a KV slot is held by two tree positions"
+            assert int(all_slots.min()) >= ps, "the tree holds the reserved padding page"
+            alloc = self.token_to_kv_pool_allocator
+            if alloc is not None:
+                pages = torch.unique(all_slots // ps)
+                assert not torch.isin(pages, alloc.free_pages).any(), "a cached KV page is also on the free list"
+
+    def debug_nodes(self) -> list[dict]:
+        """One dict per node (DFS, children sorted by key): path and edge tokens, slots, lock, namespace."""
+        out = []
+
+        def walk(node: TreeNode, path: tuple, depth: int) -> None:
+            for child in sorted(node.children.values(), key=lambda c: (repr(c.extra_key), c.key)):
+                child_path = path + tuple(child.key)
+                out.append(
+                    {
+                        "depth": depth,
+                        "key": tuple(child.key),
+                        "path": child_path,
+                        "value": child.value.tolist(),
+                        "lock_ref": child.lock_ref,
+                        "extra_key": child.extra_key,
+                        "last_access_time": child.last_access_time,
+                    }
+                )
+                walk(child, child_path, depth + 1)
+
+        walk(self.root_node, (), 0)
+        return out
+
+    def debug_tree(self, extra_key: Hashable = None) -> dict:
+        """The shape of one namespace as nested dicts: {edge tokens (tuple): {child edge: ...}}."""
+
+        def walk(node: TreeNode) -> dict:
+            return {tuple(c.key): walk(c) for c in node.children.values()}
+
+        return {tuple(c.key): walk(c) for c in self.root_node.children.values() if c.extra_key == extra_key}
+
+    def pretty_print(self) -> None:
+        for d in self.debug_nodes():
+            key = list(d["key"]) if len(d["key"]) <= 16 else list(d["key"][:16]) + ["..."]
+            ns = f" ns={d['extra_key']!r}" if d["depth"] == 0 and d["extra_key"] is not None else ""
+            print(f"{'  ' * d['depth']}{key} len={len(d['key'])} lock={d['lock_ref']} t={d['last_access_time']}{ns}")
+        print(f"#tokens: {self.total_size()} (evictable {self._evictable}, protected {self._protected})")
