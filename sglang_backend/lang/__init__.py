@@ -1,0 +1,1 @@
+"""The frontend language (see api.py)."""

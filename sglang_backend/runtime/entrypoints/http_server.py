@@ -400,6 +400,14 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": choices,
                 "usage": usage(outs, outs[:: req.n])}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        data = await read_json(request)
+        if not isinstance(data, dict) or not isinstance(data.get("prompt"), str):
+            raise APIError('give the text as {"prompt": "..."}', param="prompt")
+        tokens = tm.tokenize(data["prompt"])
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": tm.info.get("context_len")}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "sglang_backend",

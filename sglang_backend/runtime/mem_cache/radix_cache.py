@@ -138,7 +138,7 @@ class RadixCache:
         """
         parent = child.parent
         upper = TreeNode(child.key[:n], child.value[:n], parent, child.extra_key, child.last_access_time)
-        upper.lock_ref = child.lock_ref
+        upper.lock_ref = 0
         parent.children[self._child_key(parent, child.key, 0, child.extra_key)] = upper
         child.key = child.key[n:]
         child.value = child.value[n:]
@@ -209,7 +209,7 @@ class RadixCache:
             freed += len(node.key)
             self._evictable -= len(node.key)
             # Leaves first: a shared ancestor goes only once nothing below it is left.
-            if False:
+            if parent is not self.root_node and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         self._free(slots)
         self.num_evicted_tokens += freed

@@ -1,0 +1,301 @@
+"""The public DSL, with upstream SGLang's names and argument names (``import sglang as sgl`` programs run
+with only the import changed)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from .choices import token_length_normalized
+from .interpreter import ProgramState, run_program
+from .ir import (
+    REGEX_INT,
+    REGEX_STR,
+    SglCommitLazy,
+    SglExpr,
+    SglExprList,
+    SglFunctionCall,
+    SglGen,
+    SglImage,
+    SglRoleBegin,
+    SglRoleEnd,
+    SglSamplingParams,
+    SglSelect,
+    SglVideo,
+    _to_expr,
+)
+
+_default_backend = None
+PREFIX_CACHE_MIN_CHARS = 64  # run_batch pre-caches a constant prefix at least this long
+
+
+def set_default_backend(backend) -> None:
+    global _default_backend
+    _default_backend = backend
+
+
+def get_default_backend():
+    return _default_backend
+
+
+def flush_cache(backend=None) -> None:
+    backend = backend or _default_backend
+    if backend is not None and hasattr(backend, "flush_cache"):
+        backend.flush_cache()
+
+
+def get_server_info(backend=None) -> dict:
+    backend = backend or _default_backend
+    return backend.get_server_info()
+
+
+class SglFunction:
+    def __init__(self, func: Callable, num_api_spec_tokens: int | None = None, bind_arguments: dict | None = None):
+        self.func = func
+        self.num_api_spec_tokens = num_api_spec_tokens
+        self.bind_arguments = bind_arguments or {}
+        params = list(inspect.signature(func).parameters)
+        if not params:
+            raise TypeError("an @function's first parameter must be the program state (s)")
+        self.arg_names = params[1:]
+
+    def bind(self, **kwargs) -> "SglFunction":
+        unknown = set(kwargs) - set(self.arg_names)
+        if unknown:
+            raise TypeError(f"bind(): unknown arguments {sorted(unknown)}")
+        return SglFunction(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
+
+    def _kwargs(self, args: tuple, kwargs: dict) -> dict:
+        merged = dict(self.bind_arguments)
+        if len(args) > len(self.arg_names):
+            raise TypeError(f"{self.func.__name__}() takes {len(self.arg_names)} arguments, got {len(args)}")
+        merged.update(zip(self.arg_names, args))
+        merged.update(kwargs)
+        return merged
+
+    def run(self, *args, max_new_tokens: int = 128, stop=None, stop_token_ids=None, temperature: float = 1.0,
+            top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0, frequency_penalty: float = 0.0,
+            presence_penalty: float = 0.0, ignore_eos: bool = False, return_logprob: bool = False,
+            logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=None, stream: bool = False,
+            backend=None, use_thread: bool = True, **kwargs) -> ProgramState:
+        default = SglSamplingParams(max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
+                                    temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                    frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                    ignore_eos=ignore_eos, return_logprob=return_logprob,
+                                    logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                                    return_text_in_logprobs=return_text_in_logprobs)
+        backend = backend or _default_backend
+        return run_program(self, backend, (), self._kwargs(args, kwargs), default, stream, use_thread)
+
+    def run_batch(self, batch_kwargs: list[dict], *, max_new_tokens: int = 128, stop=None, stop_token_ids=None,
+                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
+                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, ignore_eos: bool = False,
+                  return_logprob: bool = False, logprob_start_len=None, top_logprobs_num=None,
+                  return_text_in_logprobs=None, backend=None, num_threads: int | str = "auto",
+                  progress_bar: bool = False, generator_style: bool = False) -> list[ProgramState]:
+        if not isinstance(batch_kwargs, (list, tuple)):
+            raise TypeError("run_batch takes a list of argument dicts")
+        backend = backend or _default_backend
+        if backend is None:
+            raise ValueError("no backend: call set_default_backend(...) or pass backend=...")
+        if not batch_kwargs:
+            return []
+        # Pre-cache the constant prefix every instance starts with, once, before fanning out.
+        if getattr(backend, "fork_hints", True) and len(batch_kwargs) > 1:
+            try:
+                prefix = self.trace().constant_prefix(backend.get_chat_template())
+            except Exception:  # noqa: BLE001 - programs that cannot be traced just skip the hint
+                prefix = ""
+            if len(prefix) >= PREFIX_CACHE_MIN_CHARS:
+                backend.cache_prefix(prefix)
+        if num_threads == "auto":
+            num_threads = min(len(batch_kwargs), max(16, (os.cpu_count() or 1) * 8), 128)
+        run_kwargs = dict(max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
+                          temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                          frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                          ignore_eos=ignore_eos, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                          top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs,
+                          backend=backend)
+
+        def one(kwargs):
+            state = self.run(**kwargs, **run_kwargs)
+            try:
+                state.sync()
+            except Exception:  # noqa: BLE001 - surfaced when the state is read
+                pass
+            return state
+
+        with ThreadPoolExecutor(max(1, int(num_threads))) as pool:
+            futures = [pool.submit(one, kw) for kw in batch_kwargs]
+            if progress_bar:
+                from tqdm import tqdm
+
+                for _ in tqdm(futures, total=len(futures), desc=f"run_batch {self.func.__name__}"):
+                    _.result()
+            return [f.result() for f in futures]
+
+    def trace(self, *, backend=None, **kwargs):
+        """The program's dataflow graph (arguments not given become placeholders)."""
+        from .tracer import trace_program
+
+        return trace_program(self, {**self.bind_arguments, **kwargs})
+
+    def compile(self, *, backend=None) -> "CompiledFunction":
+        return CompiledFunction(self, self.trace(), backend)
+
+    def __call__(self, *args, **kwargs):
+        """``prog(...)`` runs the program (as upstream); ``prog(s, ...)`` with a program state first inlines
+        it into that state, so functions nest."""
+        from .tracer import TracerProgramState
+
+        if args and isinstance(args[0], (ProgramState, TracerProgramState)):
+            state = args[0]
+            state += SglFunctionCall(self, args[1:], kwargs)
+            return state
+        return self.run(*args, **kwargs)
+
+
+class CompiledFunction:
+    """Replays a traced program's operations with real arguments."""
+
+    def __init__(self, function: SglFunction, graph, backend=None):
+        self.function = function
+        self.graph = graph
+        self.backend = backend
+
+    def run(self, *, backend=None, **kwargs) -> ProgramState:
+        from .interpreter import StreamExecutor
+        from .tracer import substitute
+
+        missing = [a for a in self.graph.arguments if a not in kwargs]
+        if missing:
+            raise TypeError(f"compiled program is missing arguments {missing}")
+        backend = backend or self.backend or _default_backend
+        executor = StreamExecutor(backend, kwargs, SglSamplingParams(), None)
+        states = {0: ProgramState(executor)}
+        for branch, kind, payload in self.graph.ops:
+            state = states[branch]
+            if kind == "expr":
+                state += substitute(payload, kwargs, states)
+            elif kind == "fork":
+                group = state.fork(len(payload))
+                for b, s in zip(payload, group):
+                    states[b] = s
+                state._last_group = group
+            elif kind == "join":
+                state._last_group.join(payload[1])
+        executor.end()
+        try:
+            executor.sync()
+        except Exception:  # noqa: BLE001
+            pass
+        return states[0]
+
+
+def function(func: Callable | None = None, num_api_spec_tokens: int | None = None):
+    if func is None:
+        return lambda f: SglFunction(f, num_api_spec_tokens)
+    return SglFunction(func, num_api_spec_tokens)
+
+
+def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None, n: int | None = None,
+        stop=None, stop_token_ids=None, temperature: float | None = None, top_p: float | None = None,
+        top_k: int | None = None, min_p: float | None = None, frequency_penalty: float | None = None,
+        presence_penalty: float | None = None, ignore_eos: bool | None = None, return_logprob: bool | None = None,
+        logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool | None = None, dtype=None, choices: list[str] | None = None,
+        choices_method=None, regex: str | None = None, json_schema: str | None = None) -> SglExpr:
+    if choices is not None:
+        return SglSelect(name, choices, 0.0 if temperature is None else temperature,
+                         choices_method or token_length_normalized)
+    if regex is not None:
+        import re
+
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise ValueError(f"gen({name!r}): invalid regex {regex!r}: {e}") from None
+    if json_schema is not None and not isinstance(json_schema, str):
+        import json
+
+        json_schema = json.dumps(json_schema)
+    params = SglSamplingParams(max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=stop,
+                               stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k,
+                               min_p=min_p, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                               ignore_eos=ignore_eos, return_logprob=return_logprob,
+                               logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                               return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex,
+                               json_schema=json_schema)
+    return SglGen(name, params)
+
+
+def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs) -> SglExpr:
+    return gen(name, max_tokens, regex=REGEX_INT, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs) -> SglExpr:
+    return gen(name, max_tokens, regex=REGEX_STR, dtype=str, **kwargs)
+
+
+def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
+           choices_method=token_length_normalized) -> SglExpr:
+    if not choices:
+        raise ValueError(f"select({name!r}) needs a non-empty list of choices")
+    return SglSelect(name, list(choices), temperature, choices_method)
+
+
+def image(expr) -> SglExpr:
+    return SglImage(expr)
+
+
+def video(path, num_frames: int) -> SglExpr:
+    return SglVideo(path, num_frames)
+
+
+def _role_common(role: str, expr=None) -> SglExpr:
+    if expr is None:
+        return SglExprList([SglRoleBegin(role), SglRoleEnd(role)])
+    return SglExprList([SglRoleBegin(role), _to_expr(expr), SglRoleEnd(role)])
+
+
+def system(expr=None) -> SglExpr:
+    return _role_common("system", expr)
+
+
+def user(expr=None) -> SglExpr:
+    return _role_common("user", expr)
+
+
+def assistant(expr=None) -> SglExpr:
+    return _role_common("assistant", expr)
+
+
+def system_begin() -> SglExpr:
+    return SglRoleBegin("system")
+
+
+def system_end() -> SglExpr:
+    return SglRoleEnd("system")
+
+
+def user_begin() -> SglExpr:
+    return SglRoleBegin("user")
+
+
+def user_end() -> SglExpr:
+    return SglRoleEnd("user")
+
+
+def assistant_begin() -> SglExpr:
+    return SglRoleBegin("assistant")
+
+
+def assistant_end() -> SglExpr:
+    return SglRoleEnd("assistant")
+
+
+def commit_lazy_operations() -> SglExpr:
+    return SglCommitLazy()
+

@@ -1,0 +1,124 @@
+"""Backend interface of the DSL, and the shared logic for backends that speak our native generate API
+(the in-process Engine and a server's /generate): text in, text + meta out; select from prompt logprobs."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..chat_template import ChatTemplate, guess_chat_template
+from ..choices import ChoicesDecision, normalized_logprob
+from ..ir import SglSamplingParams
+
+
+class BaseBackend:
+    supports_stream = True
+    fork_hints = True  # send the shared prefix before fork branches / run_batch (ablation switch)
+
+    def get_chat_template(self) -> ChatTemplate:
+        return getattr(self, "chat_template", None) or guess_chat_template(None, None)
+
+    def cache_prefix(self, prefix_str: str) -> None:
+        pass
+
+    def generate(self, s, sampling_params: SglSamplingParams) -> tuple[str, dict]:
+        raise NotImplementedError
+
+    def generate_stream(self, s, sampling_params: SglSamplingParams) -> Iterator[tuple[str, dict]]:
+        text, meta = self.generate(s, sampling_params)
+        yield text, meta
+
+    def generate_n(self, s, sampling_params: SglSamplingParams, n: int) -> tuple[list[str], list[dict]]:
+        outs = [self.generate(s, sampling_params) for _ in range(n)]
+        return [t for t, _ in outs], [m for _, m in outs]
+
+    def select(self, s, choices: list[str], temperature: float, choices_method) -> ChoicesDecision:
+        raise NotImplementedError
+
+    def append_image(self, s, expr) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not take images")
+
+    def shutdown(self) -> None:
+        pass
+
+
+class NativeAPIBackend(BaseBackend):
+    """Subclasses implement ``_call(payload) -> dict | list[dict]`` (our /generate request and response
+    shapes), ``_stream(payload) -> iterator of dicts`` and ``tokenize(text)``."""
+
+    def _call(self, payload: dict):
+        raise NotImplementedError
+
+    def _stream(self, payload: dict):
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _logprob_fields(p: SglSamplingParams) -> dict:
+        fields = {}
+        if p.return_logprob:
+            fields["return_logprob"] = True
+            if p.logprob_start_len is not None:
+                fields["logprob_start_len"] = p.logprob_start_len
+            if p.top_logprobs_num:
+                fields["top_logprobs_num"] = p.top_logprobs_num
+            if p.return_text_in_logprobs:
+                fields["return_text_in_logprobs"] = True
+        return fields
+
+    def cache_prefix(self, prefix_str: str) -> None:
+        if prefix_str:
+            self._call({"text": prefix_str, "sampling_params": {"max_new_tokens": 0}})
+
+    def generate(self, s, sampling_params: SglSamplingParams) -> tuple[str, dict]:
+        out = self._call({"text": s.text_, "sampling_params": sampling_params.to_runtime_params(),
+                          **self._logprob_fields(sampling_params)})
+        return out["text"], out["meta_info"]
+
+    def generate_n(self, s, sampling_params: SglSamplingParams, n: int):
+        outs = self._call({"text": [s.text_] * n, "sampling_params": sampling_params.to_runtime_params(),
+                           **self._logprob_fields(sampling_params)})
+        return [o["text"] for o in outs], [o["meta_info"] for o in outs]
+
+    def generate_stream(self, s, sampling_params: SglSamplingParams):
+        meta = None
+        for chunk in self._stream({"text": s.text_, "sampling_params": sampling_params.to_runtime_params(),
+                                   "stream": True, **self._logprob_fields(sampling_params)}):
+            meta = chunk["meta_info"]
+            if chunk["text"]:
+                yield chunk["text"], meta
+        if meta is not None:
+            yield "", meta
+
+    def select(self, s, choices: list[str], temperature: float, choices_method) -> ChoicesDecision:
+        from ..choices import token_length_normalized
+
+        choices_method = choices_method or token_length_normalized
+        prefix_ids = self.tokenize(s.text_)
+        # Prefill the shared prefix once; every choice then extends it from the cache.
+        self.cache_prefix(s.text_)
+        # Score from two tokens before the end of the prefix: the prefix's last token may fuse with the
+        # choice's first characters (token healing), and then it belongs to the choice.
+        start = max(len(prefix_ids) - 2, 0)
+        outs = self._call({"text": [s.text_ + c for c in choices], "sampling_params": {"max_new_tokens": 0},
+                           "return_logprob": True, "logprob_start_len": start, "return_text_in_logprobs": True})
+        input_token_logprobs, output_token_logprobs = [], []
+        for out in outs:
+            entries = out["meta_info"]["input_token_logprobs"]
+            # entries[k] scores the token at position start + k; the choice begins where the ids leave the prefix.
+            k = 0
+            while k < len(entries) and start + k < len(prefix_ids) and entries[k][1] == prefix_ids[start + k]:
+                k += 1
+            input_token_logprobs.append([e for e in entries[k:] if e[0] is not None])
+            output_token_logprobs.append(out["meta_info"].get("output_token_logprobs", []))
+        normalized = [normalized_logprob(e) for e in input_token_logprobs]
+        unconditional = None
+        if choices_method.requires_unconditional_logprobs:
+            ids = [[e[1] for e in option] for option in input_token_logprobs]
+            unc = self._call({"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                              "logprob_start_len": 0, "return_text_in_logprobs": True})
+            unconditional = [o["meta_info"]["input_token_logprobs"] for o in unc]
+        return choices_method(choices=choices, normalized_prompt_logprobs=normalized,
+                              input_token_logprobs=input_token_logprobs, output_token_logprobs=output_token_logprobs,
+                              unconditional_token_logprobs=unconditional)

@@ -1,0 +1,43 @@
+"""DSL backend over the in-process Engine (no HTTP in between)."""
+
+from __future__ import annotations
+
+from ..chat_template import guess_chat_template
+from .base import NativeAPIBackend
+
+_ENGINE_ARGS = ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                "return_text_in_logprobs")
+
+
+class EngineBackend(NativeAPIBackend):
+    def __init__(self, engine=None, chat_template: str | None = None, **engine_kwargs):
+        if engine is None:
+            from ...runtime.engine import Engine
+
+            engine = Engine(**engine_kwargs)
+        self.engine = engine
+        from ..chat_template import get_chat_template
+
+        self.chat_template = (get_chat_template(chat_template) if chat_template else
+                              guess_chat_template(getattr(engine.tokenizer, "chat_template", None), engine.model_dir))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text)
+
+    def _kwargs(self, payload: dict) -> dict:
+        unknown = set(payload) - set(_ENGINE_ARGS) - {"stream"}
+        if unknown:
+            raise ValueError(f"unsupported request fields {sorted(unknown)}")
+        kwargs = {k: v for k, v in payload.items() if k in _ENGINE_ARGS}
+        if "text" in kwargs:
+            kwargs["prompt"] = kwargs.pop("text")
+        return kwargs
+
+    def _call(self, payload: dict):
+        return self.engine.generate(**self._kwargs(payload))
+
+    def _stream(self, payload: dict):
+        return self.engine.generate(**self._kwargs(payload), stream=True)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,215 @@
+"""Tracing: run a program with placeholder arguments and record what it appends, as a dataflow graph.
+
+Works for programs without data-dependent control flow (a traced ``s["x"]`` is a placeholder, not a
+value). The graph serves ``run_batch``'s prefix pre-caching and ``.compile()``, which replays the recorded
+operations with real arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ir import (
+    SglArgument,
+    SglConstantText,
+    SglExpr,
+    SglExprList,
+    SglFunctionCall,
+    SglGen,
+    SglImage,
+    SglRoleBegin,
+    SglRoleEnd,
+    SglSelect,
+    SglVariable,
+    SglVideo,
+    TraceNode,
+    _to_expr,
+)
+
+
+class TracingError(RuntimeError):
+    pass
+
+
+@dataclass
+class TracedProgram:
+    nodes: list[TraceNode] = field(default_factory=list)
+    ops: list[tuple[int, str, Any]] = field(default_factory=list)  # (branch, kind, payload) in program order
+    arguments: list[str] = field(default_factory=list)
+    _last: dict[int, int] = field(default_factory=dict)  # branch -> last node id
+    _producers: dict[tuple[int, str], int] = field(default_factory=dict)  # (branch, var) -> node id
+    _next_branch: int = 1
+
+    def add(self, branch: int, kind: str, value=None, extra_inputs=()) -> int:
+        inputs = [self._last[branch]] if branch in self._last else []
+        inputs += [i for i in extra_inputs if i is not None]
+        self.nodes.append(TraceNode(kind, value, inputs, branch))
+        nid = len(self.nodes) - 1
+        self._last[branch] = nid
+        return nid
+
+    def pretty(self) -> str:
+        lines = []
+        for i, n in enumerate(self.nodes):
+            value = n.value if not isinstance(n.value, str) or len(n.value) < 40 else n.value[:37] + "..."
+            lines.append(f"%{i} = {n.kind}({value!r}) <- {n.inputs} [branch {n.branch}]")
+        return "\n".join(lines)
+
+    def constant_prefix(self, chat_template) -> str:
+        """The text every run of the program starts with (before any argument, gen or select)."""
+        text = ""
+        for branch, kind, payload in self.ops:
+            if branch != 0 or kind != "expr":
+                break
+            for e in payload.exprs if isinstance(payload, SglExprList) else [payload]:
+                if isinstance(e, SglConstantText):
+                    text += e.value
+                elif isinstance(e, SglRoleBegin):
+                    text += chat_template.get_prefix_and_suffix(e.role)[0]
+                elif isinstance(e, SglRoleEnd):
+                    text += chat_template.get_prefix_and_suffix(e.role)[1]
+                else:
+                    return text
+        return text
+
+
+class TracerProgramState:
+    def __init__(self, graph: TracedProgram, branch: int = 0):
+        self.graph = graph
+        self.branch = branch
+
+    def __iadd__(self, other):
+        expr = _to_expr(other)
+        self.graph.ops.append((self.branch, "expr", expr))
+        for e in expr.exprs if isinstance(expr, SglExprList) else [expr]:
+            self._record(e)
+        return self
+
+    def _record(self, e: SglExpr) -> None:
+        g, b = self.graph, self.branch
+        if isinstance(e, SglConstantText):
+            g.add(b, "text", e.value)
+        elif isinstance(e, SglArgument):
+            g.add(b, "argument", e.name)
+        elif isinstance(e, SglGen):
+            nid = g.add(b, "gen", e.name)
+            g._producers[(b, e.name)] = nid
+        elif isinstance(e, SglSelect):
+            nid = g.add(b, "select", {"name": e.name, "choices": e.choices})
+            g._producers[(b, e.name)] = nid
+        elif isinstance(e, SglRoleBegin):
+            g.add(b, "role_begin", e.role)
+        elif isinstance(e, SglRoleEnd):
+            g.add(b, "role_end", e.role)
+        elif isinstance(e, (SglImage, SglVideo)):
+            g.add(b, "image", str(e.path))
+        elif isinstance(e, SglVariable):
+            src = e.source.branch if isinstance(e.source, TracerProgramState) else b
+            g.add(b, "variable", e.name, [g._producers.get((src, e.name))])
+        elif isinstance(e, SglFunctionCall):
+            e.func.func(self, *e.args, **e.kwargs)
+        else:
+            g.add(b, type(e).__name__, None)
+
+    def __getitem__(self, name: str) -> SglVariable:
+        return SglVariable(name, self)
+
+    def fork(self, size: int = 1, position_ids_offset=None) -> "TracerStateGroup":
+        g = self.graph
+        children = list(range(g._next_branch, g._next_branch + size))
+        g._next_branch += size
+        fork_node = g.add(self.branch, "fork", size)
+        for c in children:
+            g._last[c] = fork_node
+        g.ops.append((self.branch, "fork", children))
+        return TracerStateGroup([TracerProgramState(g, c) for c in children], self)
+
+    def _role(self, role, expr=None):
+        if expr is None:
+            return _TraceRole(self, role)
+        self += SglRoleBegin(role) + _to_expr(expr) + SglRoleEnd(role)
+
+    def system(self, expr=None):
+        return self._role("system", expr)
+
+    def user(self, expr=None):
+        return self._role("user", expr)
+
+    def assistant(self, expr=None):
+        return self._role("assistant", expr)
+
+    def _not_while_tracing(self, *_, **__):
+        raise TracingError("the program reads its state (text/messages/sync) while tracing; tracing needs "
+                           "programs without data-dependent control flow")
+
+    text = messages = sync = _not_while_tracing
+
+
+class _TraceRole:
+    def __init__(self, state, role):
+        self.state, self.role = state, role
+
+    def __enter__(self):
+        self.state += SglRoleBegin(self.role)
+        return self.state
+
+    def __exit__(self, *exc):
+        self.state += SglRoleEnd(self.role)
+
+
+class TracerStateGroup:
+    def __init__(self, states: list[TracerProgramState], parent: TracerProgramState):
+        self.states, self.parent = states, parent
+
+    def __getitem__(self, i):
+        return self.states[i]
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __len__(self):
+        return len(self.states)
+
+    def __setitem__(self, i, value):
+        pass
+
+    def __iadd__(self, other):
+        others = other if isinstance(other, (list, tuple)) else [other] * len(self.states)
+        for s, o in zip(self.states, others):
+            s += o
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        g = self.parent.graph
+        g.add(self.parent.branch, "join", mode, [g._last.get(s.branch) for s in self.states])
+        g.ops.append((self.parent.branch, "join", ([s.branch for s in self.states], mode)))
+
+
+def trace_program(program, kwargs: dict) -> TracedProgram:
+    import inspect
+
+    graph = TracedProgram()
+    params = list(inspect.signature(program.func).parameters)[1:]
+    args = {}
+    for name in params:
+        if name in kwargs:
+            args[name] = kwargs[name]
+        else:
+            args[name] = SglArgument(name)
+            graph.arguments.append(name)
+    state = TracerProgramState(graph)
+    program.func(state, **args)
+    return graph
+
+
+def substitute(expr: SglExpr, values: dict, states: dict) -> SglExpr:
+    """Replaces argument placeholders with values and traced variable references with real ones."""
+    if isinstance(expr, SglExprList):
+        return SglExprList([substitute(e, values, states) for e in expr.exprs])
+    if isinstance(expr, SglArgument):
+        v = values[expr.name]
+        return v if isinstance(v, SglExpr) else SglConstantText(str(v))
+    if isinstance(expr, SglVariable) and isinstance(expr.source, TracerProgramState):
+        return SglVariable(expr.name, states[expr.source.branch].stream_executor)
+    return expr
