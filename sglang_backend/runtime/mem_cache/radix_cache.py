@@ -138,7 +138,7 @@ class RadixCache:
         """
         parent = child.parent
         upper = TreeNode(child.key[:n], child.value[:n], parent, child.extra_key, child.last_access_time)
-        upper.lock_ref = 0
+        upper.lock_ref = child.lock_ref
         parent.children[self._child_key(parent, child.key, 0, child.extra_key)] = upper
         child.key = child.key[n:]
         child.value = child.value[n:]
