@@ -16,7 +16,6 @@ from .ir import (
     SglCommitLazy,
     SglExpr,
     SglExprList,
-    SglFunctionCall,
     SglGen,
     SglImage,
     SglRoleBegin,
@@ -151,9 +150,9 @@ class SglFunction:
         from .tracer import TracerProgramState
 
         if args and isinstance(args[0], (ProgramState, TracerProgramState)):
-            state = args[0]
-            state += SglFunctionCall(self, args[1:], kwargs)
-            return state
+            # Same thread, same state: the callee's appends queue up in order with the caller's.
+            self.func(args[0], *args[1:], **{**self.bind_arguments, **kwargs})
+            return args[0]
         return self.run(*args, **kwargs)
 
 

@@ -17,7 +17,6 @@ from .ir import (
     SglConstantText,
     SglExpr,
     SglExprList,
-    SglFunctionCall,
     SglGen,
     SglImage,
     SglRoleBegin,
@@ -171,13 +170,13 @@ class StreamExecutor:
             self.backend.cache_prefix(self.text_)
         elif isinstance(expr, (SglImage, SglVideo)):
             self._image(expr)
-        elif isinstance(expr, SglFunctionCall):
-            state = ProgramState(self)
-            expr.func.func(state, *expr.args, **expr.kwargs)
         else:
             raise TypeError(f"unknown expression {expr!r}")
 
     def _append(self, text: str) -> None:
+        # Text the program writes consumes matching speculated text; anything else voids the speculation.
+        if self.spec_text:
+            self.spec_text = self.spec_text[len(text):] if self.spec_text.startswith(text) else ""
         with self.cond:
             self.text_ += text
             self.cond.notify_all()
@@ -200,6 +199,11 @@ class StreamExecutor:
             self._set_var(name, value, metas)
             self._append(texts[0])
             return
+        if self._speculating():
+            text, meta = self._spec_gen(params)
+            self._append_generated(text)
+            self._set_var(name, cast_dtype(params.dtype, text) if params.dtype else text, meta)
+            return
         if self.stream and self.backend.supports_stream:
             self.partial_vars[name] = ""
             meta = None
@@ -211,6 +215,33 @@ class StreamExecutor:
             text, meta = self.backend.generate(self, params)
             self._append(text)
         self._set_var(name, cast_dtype(params.dtype, text) if params.dtype else text, meta)
+
+    # API speculative execution (completion models) ---------------------------------------------------------------
+    def _speculating(self) -> bool:
+        return bool(self.num_api_spec_tokens) and getattr(self.backend, "supports_api_spec", False) \
+            and not getattr(self.backend, "is_chat_model", False)
+
+    def _append_generated(self, text: str) -> None:
+        with self.cond:
+            self.text_ += text
+            self.cond.notify_all()
+
+    def _spec_gen(self, params: SglSamplingParams) -> tuple[str, dict]:
+        """Serves a gen from speculated text, generating ahead (without stop, num_api_spec_tokens long)
+        when there is none. Lengths are cut in characters, as the speculation is text."""
+        import dataclasses
+
+        meta: dict = {"speculative": True}
+        if not self.spec_text:
+            ahead = dataclasses.replace(params, stop=None,
+                                        max_new_tokens=max(params.max_new_tokens or 0, self.num_api_spec_tokens))
+            self.spec_text, meta = self.backend.generate(self, ahead)
+            meta = {**meta, "speculative": False}
+        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        positions = [p for p in (self.spec_text.find(x) for x in stops if x) if p >= 0]
+        cut = min(positions) if positions else min(len(self.spec_text), params.max_new_tokens or len(self.spec_text))
+        text, self.spec_text = self.spec_text[:cut], self.spec_text[cut:]
+        return text, meta
 
     def _select(self, expr: SglSelect) -> None:
         if not expr.choices:

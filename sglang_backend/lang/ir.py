@@ -169,15 +169,6 @@ class SglCommitLazy(SglExpr):
     """Send the text so far to the backend as a prefix hint (max_new_tokens=0)."""
 
 
-@dataclass(eq=False)
-class SglFunctionCall(SglExpr):
-    """A nested @function called with arguments, inlined into the caller's state."""
-
-    func: Callable
-    args: tuple
-    kwargs: dict
-
-
 # Tracing placeholders --------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class SglArgument(SglExpr):

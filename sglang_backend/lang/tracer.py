@@ -15,7 +15,6 @@ from .ir import (
     SglConstantText,
     SglExpr,
     SglExprList,
-    SglFunctionCall,
     SglGen,
     SglImage,
     SglRoleBegin,
@@ -107,8 +106,6 @@ class TracerProgramState:
         elif isinstance(e, SglVariable):
             src = e.source.branch if isinstance(e.source, TracerProgramState) else b
             g.add(b, "variable", e.name, [g._producers.get((src, e.name))])
-        elif isinstance(e, SglFunctionCall):
-            e.func.func(self, *e.args, **e.kwargs)
         else:
             g.add(b, type(e).__name__, None)
 

@@ -18,7 +18,13 @@ from typing import Any, Iterator
 from .managers.detokenizer_manager import DetokenizerState, format_logprob_pairs
 from .managers.schedule_batch import Req
 from .managers.scheduler import Scheduler
-from .managers.validation import check_input_ids, check_logprob_args, parse_sampling_params
+from .managers.validation import (
+    check_grammar,
+    check_input_ids,
+    check_logprob_args,
+    check_total_length,
+    parse_sampling_params,
+)
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -182,6 +188,8 @@ class Engine:
         for ids, sp_dict, lp, start, top, r in zip(ids_list, params, logprob_flags, starts, tops, rids):
             sp = parse_sampling_params(sp_dict, self.limits, self.tokenizer)
             check_input_ids(ids, self.limits)
+            check_total_length(len(ids), sp_dict, sp, self.limits)
+            check_grammar(sp, self.scheduler.grammar_cache)
             check_logprob_args(len(ids), start, top)
             req_start = start if start is not None else -1
             if lp and start is None:

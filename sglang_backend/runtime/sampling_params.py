@@ -136,8 +136,12 @@ class SamplingParams:
                 if not 0 <= tid < vocab_size:
                     raise ValueError(f"logit_bias: token id {tid} is outside the vocabulary [0, {vocab_size})")
         for tid, bias in (self.logit_bias or {}).items():
-            if math.isnan(bias) or bias == math.inf:  # -inf is a legal "ban this token"
-                raise ValueError(f"logit_bias: bias for token {tid} must be finite or -inf, got {bias}")
+            # OpenAI's range; -inf is a legal "ban this token". Larger values overflow once divided by a
+            # temperature below 1.
+            if bias != -math.inf and not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias: bias for token {tid} must be in [-100, 100] or -inf, got {bias}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         constraints = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
         if len(constraints) > 1:
             raise ValueError(f"only one of regex, json_schema, ebnf may be set; got {', '.join(constraints)}")

@@ -38,6 +38,7 @@ class ServerArgs:
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Scales reserved decode growth"})
     starvation_limit: int = field(default=64, metadata={"help": "A request passed over this many scheduling rounds is admitted first (aging)"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "No prefix reuse (ablation)"})
+    disable_jump_forward: bool = field(default=False, metadata={"help": "Decode grammar-forced text token by token (ablation)"})
     enable_in_batch_prefix_dedup: bool = field(default=True, metadata={"help": "Hold back requests whose shared prefix is being computed"})
 
     # Runtime

@@ -1,0 +1,43 @@
+"""Constrained decoding: regex / JSON schema -> byte DFA -> compressed FSM + per-state token masks.
+
+Modules (design notes live in their docstrings):
+
+* ``regex_fsm``      regex -> trimmed byte-level DFA (interegular parse + to_fsm, our UTF-8 conversion)
+* ``compressed_fsm`` singular-transition chains -> compressed edges / forced strings (paper §4, App. B.1)
+* ``token_index``    allowed-token masks per state over a real vocabulary; memory + disk cache; async
+* ``json_schema``    JSON schema / pydantic model -> regex
+* ``grammar``        ``GrammarCache`` / ``CompiledGrammar`` / ``GrammarMatcher`` for the scheduler, and
+                     jump-forward re-tokenization (App. B.2)
+"""
+
+from .compressed_fsm import CompressedFSM
+from .grammar import (
+    CompiledGrammar,
+    GrammarCache,
+    GrammarMatcher,
+    apply_jump_forward,
+    fill_masks,
+    retokenize_jump_forward,
+)
+from .json_schema import build_regex_from_schema, schema_from_pydantic
+from .regex_fsm import ByteDFA, compile_regex
+from .token_index import TokenIndex, TokenIndexCache, TokenVocabulary, build_token_index, get_vocabulary
+
+__all__ = [
+    "ByteDFA",
+    "CompiledGrammar",
+    "CompressedFSM",
+    "GrammarCache",
+    "GrammarMatcher",
+    "TokenIndex",
+    "TokenIndexCache",
+    "TokenVocabulary",
+    "apply_jump_forward",
+    "build_regex_from_schema",
+    "build_token_index",
+    "compile_regex",
+    "fill_masks",
+    "get_vocabulary",
+    "retokenize_jump_forward",
+    "schema_from_pydantic",
+]

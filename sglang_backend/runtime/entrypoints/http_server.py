@@ -71,14 +71,8 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         logger.exception("internal error")
         return error_response("internal server error", 500, "internal_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if server_args.api_key and request.url.path not in OPEN_ROUTES:
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {server_args.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return error_response("invalid or missing API key", 401, "authentication_error")
-        return await call_next(request)
+    if server_args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
 
     async def read_json(request: Request) -> Any:
         body = await request.body()
@@ -155,6 +149,8 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         sps, lps, starts, tops, rids = (per(obj.sampling_params, "sampling_params"), per(obj.return_logprob, "return_logprob"),
                                         per(obj.logprob_start_len, "logprob_start_len"), per(obj.top_logprobs_num, "top_logprobs_num"),
                                         per(obj.rid, "rid") if obj.rid is not None else [None] * n)
+        if obj.rid is not None and len(set(rids)) != len(rids):
+            raise APIError("rid values must be unique within a batch", param="rid")
         if obj.stream and is_batch:
             raise APIError("stream=true takes a single prompt")
         gis = []
@@ -213,16 +209,17 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         sp["ignore_eos"] = req.ignore_eos
         sp["skip_special_tokens"] = req.skip_special_tokens
         sp["no_stop_trim"] = req.no_stop_trim
-        constraint = [name for name in ("regex", "json_schema", "ebnf") if getattr(req, name) is not None]
-        if constraint:
-            raise APIError(f"constrained decoding ({constraint[0]}) is not supported by this server yet", param=constraint[0])
+        for name in ("regex", "json_schema", "ebnf"):
+            value = getattr(req, name)
+            if value is not None:
+                sp[name] = value if isinstance(value, str) else json.dumps(value)
         return sp
 
     def seeds_for(sp: dict, n: int) -> list[dict]:
         if n == 1:
             return [sp]
         # n samples of one prompt: distinct seeds (if seeded) so the samples differ but stay reproducible.
-        return [{**sp, "seed": sp["seed"] + i} if "seed" in sp else dict(sp) for i in range(n)]
+        return [{**sp, "seed": (sp["seed"] + i) % 2**64} if "seed" in sp else dict(sp) for i in range(n)]
 
     def usage(outs: list[dict], prompt_outs: list[dict] | None = None) -> dict:
         prompt_outs = prompt_outs or outs[:1]
@@ -238,10 +235,13 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             return None
         return {"stop": "stop", "length": "length"}.get(fr["type"], "abort")
 
-    def chat_logprobs(out: dict, top: int) -> dict:
+    def chat_logprobs(out: dict, top: int, start: int = 0) -> dict:
+        """OpenAI chat logprobs for output tokens from ``start`` (streams send each token once)."""
         items = []
         tops = out["meta_info"].get("output_top_logprobs") or []
         for i, (lp, tid) in enumerate(out["meta_info"].get("output_token_logprobs", [])):
+            if i < start:
+                continue
             tok = tm.tokenizer.decode([tid])
             entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
             if top and i < len(tops):
@@ -250,14 +250,19 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             items.append(entry)
         return {"content": items}
 
-    def completion_logprobs(out: dict) -> dict:
+    def completion_logprobs(out: dict, start: int = 0) -> dict:
         tokens, lps, tops = [], [], []
         top_list = out["meta_info"].get("output_top_logprobs") or []
         for i, (lp, tid) in enumerate(out["meta_info"].get("output_token_logprobs", [])):
+            if i < start:
+                continue
             tokens.append(tm.tokenizer.decode([tid]))
             lps.append(lp)
             tops.append({tm.tokenizer.decode([t]): v for v, t in top_list[i]} if i < len(top_list) else None)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if top_list else None, "text_offset": []}
+
+    def sent_logprobs(out: dict) -> int:
+        return len(out["meta_info"].get("output_token_logprobs", []))
 
     def render_chat(req: ChatCompletionRequest) -> str:
         messages = []
@@ -293,11 +298,12 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await read_json(request))
         check_model(req.model)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError("response_format json_object/json_schema is not supported by this server yet", param="response_format")
         prompt = render_chat(req)
         ids = tm.tokenizer.encode(prompt, add_special_tokens=False)
         sp = sampling_from_openai(req, req.max_completion_tokens or req.max_tokens)
+        if req.response_format is not None and req.response_format.type != "text":
+            sp.pop("regex", None)
+            sp["json_schema"] = json.dumps(response_format_schema(req.response_format))
         top = req.top_logprobs or 0
         gis = [prepare(input_ids=ids, sampling_params=s, stream=req.stream, return_logprob=req.logprobs,
                        top_logprobs_num=top, rid=(f"{req.rid}-{i}" if req.rid and req.n > 1 else req.rid))
@@ -311,6 +317,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             async def sse():
                 finals: dict[int, dict] = {}
                 first = {i: True for i in range(len(gis))}
+                lp_sent = [0] * len(gis)
                 try:
                     async for i, out in merge_streams([tm.generate(gi) for gi in gis]):
                         delta = {"content": out["text"]}
@@ -318,8 +325,9 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
                             delta["role"] = "assistant"
                             first[i] = False
                         choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason(out)}
-                        if req.logprobs:
-                            choice["logprobs"] = chat_logprobs(out, top) if out["meta_info"].get("output_token_logprobs") else None
+                        if req.logprobs and sent_logprobs(out) > lp_sent[i]:
+                            choice["logprobs"] = chat_logprobs(out, top, lp_sent[i])
+                            lp_sent[i] = sent_logprobs(out)
                         if choice["finish_reason"] is not None:
                             finals[i] = out
                         yield sse_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [choice]})
@@ -359,11 +367,13 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         sp = sampling_from_openai(req, req.max_tokens)
         top = req.logprobs or 0
         gis = []
+        many = len(prompts) * req.n > 1
         for p in prompts:
             for s in seeds_for(sp, req.n):
                 text, ids = (p, None) if isinstance(p, str) else (None, p)
+                rid = f"{req.rid}-{len(gis)}" if req.rid and many else req.rid
                 gis.append(prepare(text=text, input_ids=ids, sampling_params=s, stream=req.stream,
-                                   return_logprob=req.logprobs is not None, top_logprobs_num=top))
+                                   return_logprob=req.logprobs is not None, top_logprobs_num=top, rid=rid))
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         name = req.model or model_name
@@ -374,13 +384,16 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             async def sse():
                 finals: dict[int, dict] = {}
                 echoed = set()
+                lp_sent = [0] * len(gis)
                 try:
                     async for i, out in merge_streams([tm.generate(gi) for gi in gis]):
                         text = out["text"]
                         if req.echo and i not in echoed:
                             text, _ = echo_texts[i] + text, echoed.add(i)
-                        choice = {"index": i, "text": text, "logprobs": completion_logprobs(out) if req.logprobs is not None else None,
-                                  "finish_reason": finish_reason(out)}
+                        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason(out)}
+                        if req.logprobs is not None:
+                            choice["logprobs"] = completion_logprobs(out, lp_sent[i])
+                            lp_sent[i] = sent_logprobs(out)
                         if choice["finish_reason"] is not None:
                             finals[i] = out
                         yield sse_event({"id": cid, "object": "text_completion", "created": created, "model": name, "choices": [choice]})
@@ -500,6 +513,35 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     return app
 
 
+class APIKeyMiddleware:
+    """Bearer-token check as plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide client
+    disconnects from the handlers, and a disconnect must abort its request)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_ROUTES:
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        response = error_response("invalid or missing API key", 401, "authentication_error")
+        await response(scope, receive, send)
+
+
+def response_format_schema(rf) -> dict:
+    """OpenAI response_format -> the JSON schema the output is constrained to."""
+    if rf.type == "json_object":
+        return {"type": "object"}
+    spec = rf.json_schema or {}
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise APIError("response_format.json_schema.schema must be a JSON schema object", param="response_format")
+    return schema
+
+
 def sse_event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -547,7 +589,8 @@ def launch_server(server_args) -> None:
     tm.launch()
     app = create_app(tm, server_args)
     try:
-        uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level, timeout_keep_alive=30)
+        uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level, timeout_keep_alive=30,
+                    timeout_graceful_shutdown=10)
     finally:
         tm.shutdown()
         tm.cleanup_ipc()

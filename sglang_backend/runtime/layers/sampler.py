@@ -230,7 +230,13 @@ class Sampler:
             threshold = probs.max(dim=-1, keepdim=True).values * info.min_ps[rows][:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
 
-        return probs / probs.sum(dim=-1, keepdim=True)
+        total = probs.sum(dim=-1, keepdim=True)
+        # A row with no finite mass left (every token banned, or overflow) falls back to its argmax.
+        bad = ~torch.isfinite(total) | (total <= 0) | ~torch.isfinite(probs).all(dim=-1, keepdim=True)
+        if bad.any():
+            fallback = torch.zeros_like(probs).scatter(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+            return torch.where(bad, fallback, probs / total.clamp_min(1e-30))
+        return probs / total
 
     @staticmethod
     def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -94,12 +94,14 @@ def run_detokenizer_process(server_args, ipc: dict, tokenizer_path: str) -> None
         if msg.rid not in states:
             states[msg.rid] = (DetokenizerState(tokenizer, **(msg.detok_options or {})), [])
         state, ids = states[msg.rid]
+        if msg.keep_len is not None:
+            del ids[msg.keep_len:]
         ids.extend(msg.new_ids)
         finished = msg.finished_reason is not None
         text = state.step(ids, finished) if msg.stream else state.full_text(ids)
         if finished:
             del states[msg.rid]
-        send.send_pyobj(StrOut(msg.rid, text, msg.new_ids, msg.finished_reason, msg.meta))
+        send.send_pyobj(StrOut(msg.rid, text, msg.new_ids, msg.keep_len, msg.finished_reason, msg.meta))
 
 
 def format_logprob_pairs(pairs, tokenizer, with_text: bool) -> list:

@@ -52,13 +52,15 @@ class TokenOut:
     stream: bool = False
     # Detokenization options, sent once with the first TokenOut of a request.
     detok_options: dict | None = None
+    keep_len: int | None = None  # output ids already sent that stay (None: all); jump-forward rewrites tails
 
 
 @dataclass
 class StrOut:
     rid: str
     text: str  # new text since the last StrOut (streaming) or the full text (when finished)
-    output_ids: list[int]
+    output_ids: list[int]  # new output ids, to append after the first keep_len already received
+    keep_len: int | None
     finished_reason: dict | None
     meta: dict = field(default_factory=dict)
 

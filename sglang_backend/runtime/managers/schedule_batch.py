@@ -77,6 +77,19 @@ class Req:
         self.created_time = time.monotonic()
         self.first_token_time: float | None = None
         self.num_retractions = 0
+        self.admitted_before = False
+        self.grammar = None  # GrammarMatcher for regex / JSON-schema constrained requests
+        self.output_ids_rewritten_from = 1 << 62  # smallest output index changed by jump-forward since last emit
+
+    def grammar_spec(self) -> tuple[str, str] | None:
+        sp = self.sampling_params
+        if sp.regex is not None:
+            return ("regex", sp.regex)
+        if sp.json_schema is not None:
+            return ("json_schema", sp.json_schema)
+        if sp.ebnf is not None:
+            return ("ebnf", sp.ebnf)
+        return None
 
     # Token views ---------------------------------------------------------------------------------------------
     @property
@@ -101,13 +114,13 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
 
-    def reset_for_retract(self) -> None:
+    def reset_kv_state(self) -> None:
+        """After its KV went to the tree (retraction, jump-forward): it re-enters through the waiting queue."""
         self.req_pool_idx = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
         self.kv_len = 0
         self.is_chunked = False
-        self.num_retractions += 1
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, in={len(self.origin_input_ids)}, out={len(self.output_ids)}, kv={self.kv_len})"

@@ -42,6 +42,8 @@ class SchedulerStats:
     num_decode_batches: int = 0
     num_forward_tokens: int = 0
     num_retractions: int = 0
+    num_jump_forward: int = 0
+    num_jump_forward_tokens: int = 0
     num_finished: int = 0
     num_aborted: int = 0
     tree_op_seconds: float = 0.0
@@ -79,6 +81,8 @@ class Scheduler:
         self.sampler = Sampler()
 
         self.waiting_queue: list[Req] = []
+        self.grammar_queue: list[tuple[Req, object]] = []  # requests whose grammar is still compiling
+        self._grammar_cache = None
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.just_aborted: list[Req] = []  # ended by the scheduler itself; reported with the next step
@@ -102,11 +106,49 @@ class Scheduler:
 
         return ModelLimits(self.context_len, self.max_total_num_tokens, self.model_runner.vocab_size)
 
+    @property
+    def grammar_cache(self):
+        """Compiled regex/JSON-schema grammars (token masks), shared by all requests; built on first use."""
+        if self._grammar_cache is None:
+            from ..constrained import GrammarCache
+
+            self._grammar_cache = GrammarCache(self.tokenizer, self.model_runner.vocab_size, self.eos_token_ids)
+        return self._grammar_cache
+
     def add_request(self, req: Req) -> None:
-        self.waiting_queue.append(req)
+        spec = req.grammar_spec()
+        if spec is None:
+            self.waiting_queue.append(req)
+        else:
+            # Compile off the loop: a new grammar never stalls the running batch.
+            self.grammar_queue.append((req, self.grammar_cache.submit(*spec)))
+
+    def _poll_grammars(self) -> list[Req]:
+        """Moves requests whose grammar is ready to the waiting queue; fails those whose grammar is invalid."""
+        failed, pending = [], []
+        for req, fut in self.grammar_queue:
+            if not fut.done():
+                pending.append((req, fut))
+                continue
+            try:
+                req.grammar = fut.result().matcher()
+                self.waiting_queue.append(req)
+            except Exception as e:  # noqa: BLE001 - the grammar is the request's problem, not the loop's
+                req.finished_reason = finish_abort(f"invalid grammar: {e}")
+                failed.append(req)
+        self.grammar_queue = pending
+        if pending and not self.waiting_queue and not self.running and self.chunked_req is None:
+            pending[0][1].exception(timeout=0.05)  # nothing else to do: wait a little instead of spinning
+        return failed
 
     def abort_request(self, rid: str) -> Req | None:
         """Abort by id; frees the request's KV now. Returns the aborted request (finished) or None."""
+        for item in self.grammar_queue:
+            if item[0].rid == rid:
+                self.grammar_queue.remove(item)
+                item[0].finished_reason = finish_abort("aborted by client")
+                self.stats.num_aborted += 1
+                return item[0]
         for req in self.waiting_queue:
             if req.rid == rid:
                 self.waiting_queue.remove(req)
@@ -127,22 +169,22 @@ class Scheduler:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req)
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_queue)
 
     # The loop ---------------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Runs one batch. Returns the requests that got new output (tokens or a finish) in this step."""
+        out = self._poll_grammars() if self.grammar_queue else []
         batch = self._get_new_batch_prefill()
         if batch is not None:
-            return self._run_extend(batch)
-        if self.running:
-            out = self._run_decode()
-            if self.just_aborted:
-                out, self.just_aborted = out + self.just_aborted, []
-            return out
-        if self.server_args.check_pool_on_idle:
+            out += self._run_extend(batch)
+        elif self.running:
+            out += self._run_decode()
+        elif self.server_args.check_pool_on_idle and not self.has_work():
             self.check_pool_whole()
-        return []
+        if self.just_aborted:
+            out, self.just_aborted = out + self.just_aborted, []
+        return out
 
     # Prefill ------------------------------------------------------------------------------------------------
     def _reserved_decode_tokens(self, reqs) -> int:
@@ -221,8 +263,9 @@ class Scheduler:
                     req.req_pool_idx = None
                 req.is_chunked = False
                 break
-            req.cached_tokens = max(req.cached_tokens, prefix_len) if req.num_retractions == 0 else req.cached_tokens
-            if req.num_retractions == 0:
+            if not req.admitted_before:  # retracted / jump-forwarded requests come back; count them once
+                req.admitted_before = True
+                req.cached_tokens = prefix_len
                 self.stats.num_prompt_tokens += len(req.origin_input_ids)
                 self.stats.num_cached_tokens += prefix_len
         if not admitted:
@@ -378,7 +421,8 @@ class Scheduler:
         while len(self.running) > 1 and self._decode_need() > self._available_tokens():
             req = self.running.pop()
             self._release(req)  # its KV goes into the tree: resuming it is mostly a cache hit
-            req.reset_for_retract()
+            req.reset_kv_state()
+            req.num_retractions += 1
             retracted.append(req)
         if self._decode_need() > self._available_tokens():
             # One request alone has outgrown the pool: end it rather than stall the loop.
@@ -404,7 +448,14 @@ class Scheduler:
         info = SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
             [r.generator for r in reqs], self.eos_token_ids, self.model_runner.vocab_size, self.device)
-        next_ids = self.sampler(logits, info).tolist()
+        matchers = [r.grammar for r in reqs]
+        sample_logits = logits
+        if any(m is not None for m in matchers):
+            sample_logits = logits.clone()  # logprobs stay those of the model, not of the mask
+            for i, m in enumerate(matchers):
+                if m is not None:
+                    m.fill_mask(sample_logits[i])
+        next_ids = self.sampler(sample_logits, info).tolist()
         if any(r.return_logprob for r in reqs):
             out_lps = token_logprobs(logits, torch.tensor(next_ids, device=logits.device)).tolist()
         now = time.monotonic()
@@ -417,6 +468,8 @@ class Scheduler:
                 if req.top_logprobs_num:
                     vals, ids = top_logprobs(logits[i : i + 1], req.top_logprobs_num)
                     req.output_top_logprobs.append(list(zip(vals[0].tolist(), ids[0].tolist())))
+            if req.grammar is not None:
+                req.grammar.advance(tok)
             self._check_finished(req)
         self.stats.num_generated_tokens += len(reqs)
         for req in reqs:
@@ -424,14 +477,51 @@ class Scheduler:
                 if not new_running:
                     self.running.remove(req)
                 self._release(req)
-            elif new_running:
+                continue
+            if new_running:
                 self._cache_unfinished(req)  # share the prompt's KV with requests arriving meanwhile
                 self.running.append(req)
+            if req.grammar is not None and not self.server_args.disable_jump_forward:
+                self._jump_forward(req)
         return reqs
+
+    def _jump_forward(self, req: Req) -> None:
+        """Appends the grammar's forced continuation in one step (compressed FSM): the text is re-tokenized
+        with the real tokenizer at the boundary, the request leaves the running batch, and its next extend
+        prefills only the new tail against its cached prefix (paper §4)."""
+        from ..constrained import retokenize_jump_forward
+
+        forced = req.grammar.forced_string()
+        if not forced:
+            return
+        n_drop, new_ids = retokenize_jump_forward(self.tokenizer, req.output_ids, forced)
+        room = self.context_len - 1 - (req.seq_len - n_drop)
+        if not new_ids or len(new_ids) > room:
+            return  # no room: decode it token by token instead
+        req.grammar.advance_text(forced)
+        keep = req.seq_len - n_drop
+        if req.kv_len > keep:  # KV of dropped tokens is no longer valid
+            stale = self.req_to_token_pool.req_to_token[req.req_pool_idx, keep : req.kv_len]
+            self.allocator.free(stale.clone())
+            req.kv_len = keep
+        if n_drop:
+            del req.output_ids[-n_drop:]
+            req.output_ids_rewritten_from = min(req.output_ids_rewritten_from, len(req.output_ids))
+        self.running.remove(req)
+        self._release(req)  # its KV goes to the tree; re-admission hits it and extends the new tail
+        req.reset_kv_state()
+        req.output_ids.extend(new_ids)
+        self.waiting_queue.insert(0, req)
+        self.stats.num_jump_forward += 1
+        self.stats.num_jump_forward_tokens += len(new_ids)
 
     def _check_finished(self, req: Req) -> None:
         sp = req.sampling_params
         tok = req.output_ids[-1]
+        if req.grammar is not None and req.grammar.is_finished():
+            # The grammar is complete and allows nothing more (or ended with EOS).
+            req.finished_reason = finish_stop(tok if tok in self.eos_token_ids else None)
+            return
         if len(req.output_ids) < sp.min_new_tokens:
             pass
         elif not sp.ignore_eos and tok in self.eos_token_ids:
@@ -499,6 +589,8 @@ class Scheduler:
             "num_decode_batches": s.num_decode_batches,
             "num_forward_tokens": s.num_forward_tokens,
             "num_retractions": s.num_retractions,
+            "num_jump_forward": s.num_jump_forward,
+            "num_jump_forward_tokens": s.num_jump_forward_tokens,
             "num_evicted_tokens": getattr(self.tree_cache, "num_evicted_tokens", 0),
             "num_finished": s.num_finished,
             "num_aborted": s.num_aborted,
@@ -546,6 +638,7 @@ def run_scheduler_process(server_args, ipc: dict, ready_conn) -> None:
         "device": sched.device,
         "dtype": str(sched.model_runner.dtype).replace("torch.", ""),
         "pid": os.getpid(),
+        "eos_token_ids": sorted(sched.eos_token_ids),
     }))
     sent: dict[str, list[int]] = {}  # rid -> [ids sent, input logprobs sent, output logprobs sent]
     parent = os.getppid()
@@ -572,7 +665,9 @@ def run_scheduler_process(server_args, ipc: dict, ready_conn) -> None:
             detok = {"skip_special_tokens": sp.skip_special_tokens,
                      "spaces_between_special_tokens": sp.spaces_between_special_tokens,
                      "stop": sp.stop, "no_stop_trim": sp.no_stop_trim}
-        out = TokenOut(req.rid, req.output_ids[marks[0]:], req.finished_reason, meta, req.stream, detok)
+        keep = min(marks[0], req.output_ids_rewritten_from)  # jump-forward may have re-tokenized a tail
+        req.output_ids_rewritten_from = 1 << 62
+        out = TokenOut(req.rid, req.output_ids[keep:], req.finished_reason, meta, req.stream, detok, keep)
         marks[:] = [len(req.output_ids), len(req.input_token_logprobs), len(req.output_token_logprobs)]
         if finished:
             sent.pop(req.rid, None)
@@ -580,10 +675,19 @@ def run_scheduler_process(server_args, ipc: dict, ready_conn) -> None:
 
     def handle(msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):
-            sp = SamplingParams.from_dict(msg.sampling_params)
-            sp.normalize(tokenizer)
-            sched.add_request(Req(msg.rid, msg.input_ids, sp, msg.return_logprob, msg.logprob_start_len,
-                                  msg.top_logprobs_num, msg.extra_key, msg.stream))
+            try:
+                sp = SamplingParams.from_dict(msg.sampling_params)
+                sp.verify(sched.model_runner.vocab_size)
+                sp.normalize(tokenizer)
+                req = Req(msg.rid, msg.input_ids, sp, msg.return_logprob, msg.logprob_start_len,
+                          msg.top_logprobs_num, msg.extra_key, msg.stream)
+            except Exception as e:  # noqa: BLE001 - one bad request fails alone; the loop keeps serving
+                logger.warning("rejected request %s: %s", msg.rid, e)
+                req = Req(msg.rid, msg.input_ids or [0], SamplingParams(max_new_tokens=0))
+                req.finished_reason = finish_abort(f"invalid request: {e}")
+                emit(req)
+                return
+            sched.add_request(req)
         elif isinstance(msg, AbortReq):
             req = sched.abort_request(msg.rid)
             if req is not None:

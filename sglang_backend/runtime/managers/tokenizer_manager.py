@@ -21,7 +21,14 @@ import zmq
 import zmq.asyncio
 
 from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, StrOut, TokenizedGenerateReq
-from .validation import ModelLimits, check_input_ids, check_logprob_args, parse_sampling_params
+from .validation import (
+    ModelLimits,
+    check_grammar,
+    check_input_ids,
+    check_logprob_args,
+    check_total_length,
+    parse_sampling_params,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +110,16 @@ class TokenizerManager:
         self.limits = ModelLimits(self.info["context_len"], self.info["max_total_num_tokens"], self.info["vocab_size"])
         self.send = self.zmq_ctx.socket(zmq.PUSH)
         self.send.connect(ipc["scheduler_input"])
+        self._grammar_cache = None
+
+    @property
+    def grammar_cache(self):
+        """Same cache key as the scheduler's (vocab, EOS ids), so its disk cache serves both processes."""
+        if self._grammar_cache is None:
+            from ..constrained import GrammarCache
+
+            self._grammar_cache = GrammarCache(self.tokenizer, self.limits.vocab_size, set(self.info["eos_token_ids"]))
+        return self._grammar_cache
 
     def start_background(self) -> None:
         """Called inside the server's event loop."""
@@ -169,7 +186,9 @@ class TokenizerManager:
             raise ValueError("give exactly one of text or input_ids")
         ids = self.tokenize(text) if text is not None else list(input_ids)
         check_input_ids(ids, self.limits)
-        parse_sampling_params(sampling_params, self.limits, self.tokenizer)
+        sp = parse_sampling_params(sampling_params, self.limits, self.tokenizer)
+        check_total_length(len(ids), sampling_params, sp, self.limits)
+        check_grammar(sp, self.grammar_cache)
         check_logprob_args(len(ids), logprob_start_len, top_logprobs_num)
         rid = rid or uuid.uuid4().hex
         if rid in self.rid_to_state:
@@ -209,6 +228,8 @@ class TokenizerManager:
                 self.send.send_pyobj(AbortReq(gi.rid))
 
     def _merge(self, state: RequestState, msg: StrOut) -> None:
+        if msg.keep_len is not None:
+            del state.output_ids[msg.keep_len:]
         state.output_ids.extend(msg.output_ids)
         state.text = msg.text if not state.stream else state.text + msg.text
         for key, value in msg.meta.items():

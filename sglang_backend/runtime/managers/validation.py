@@ -22,6 +22,14 @@ def parse_sampling_params(params: dict | None, limits: ModelLimits, tokenizer) -
     return sp
 
 
+def check_total_length(input_len: int, params: dict | None, sp: SamplingParams, limits: ModelLimits) -> None:
+    """An explicit max_new_tokens that cannot fit after the prompt is an error (as upstream and OpenAI);
+    the default is silently bounded by the context instead."""
+    if params and params.get("max_new_tokens") is not None and input_len + sp.max_new_tokens > limits.context_len:
+        raise ValueError(f"the prompt ({input_len} tokens) plus max_new_tokens ({sp.max_new_tokens}) exceeds the "
+                         f"model's context length ({limits.context_len})")
+
+
 def check_input_ids(input_ids: list[int], limits: ModelLimits) -> None:
     if not input_ids:
         raise ValueError("the prompt is empty (0 tokens)")
@@ -43,3 +51,15 @@ def check_logprob_args(input_len: int, logprob_start_len: int | None, top_logpro
         raise ValueError("top_logprobs_num must be <= 100")
     if logprob_start_len is not None and logprob_start_len > input_len:
         raise ValueError(f"logprob_start_len {logprob_start_len} is beyond the prompt ({input_len} tokens)")
+
+
+def check_grammar(sp: SamplingParams, grammar_cache) -> None:
+    """Compiles the request's regex / JSON schema now (cached), so an invalid, unsatisfiable or
+    unrealisable one is a clear error before any decoding."""
+    for kind in ("regex", "json_schema", "ebnf"):
+        spec = getattr(sp, kind)
+        if spec is None:
+            continue
+        if kind == "ebnf":
+            raise ValueError("EBNF grammars are not supported (use regex or json_schema)")
+        grammar_cache.compile(kind, spec)

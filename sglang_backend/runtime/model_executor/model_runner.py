@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -13,8 +14,50 @@ from .forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
+SMALL_MODEL_PARAMS = 64_000_000  # dummy weights up to this size are drawn on the host (reproducible across devices)
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV pool on CPU when max_total_tokens is not given
 MAX_DEFAULT_POOL_TOKENS = 1 << 18
+MAX_GPU_POOL_TOKENS = 1 << 22  # tiny models: a bigger pool only costs start-up time and host memory
+
+
+class MirroredReqToTokenPool(ReqToTokenPool):
+    """``req_to_token`` on the host (what the scheduler and the radix cache read and write: plain CPU tensor
+    ops, no device syncs), mirrored to ``device_table`` on the GPU for the attention kernels.
+
+    ``write`` updates the host table and records the span; ``sync_to_device`` (called by the model runner
+    before each forward) ships every pending span in one host-to-device copy and one scatter. Without it the
+    scheduler's per-request reads of the table (``int(req_to_token[row, pos])``) would each be a device sync.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str):
+        super().__init__(size, max_context_len, "cpu")
+        self.device = "cpu"  # where req_to_token lives (what write() converts to)
+        self.device_table = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._pending: list[tuple[int, int, int]] = []
+
+    def write(self, idx: int, start: int, locs: torch.Tensor) -> None:
+        n = len(locs)
+        if n == 0:
+            return
+        self.req_to_token[idx, start : start + n] = locs.to("cpu")
+        self._pending.append((idx, start, n))
+
+    def sync_to_device(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        rows = torch.tensor([p[0] for p in pending], dtype=torch.int64)
+        starts = torch.tensor([p[1] for p in pending], dtype=torch.int64)
+        if all(p[2] == 1 for p in pending):
+            cols = starts
+        else:
+            lens = torch.tensor([p[2] for p in pending], dtype=torch.int64)
+            rows = rows.repeat_interleave(lens)
+            offsets = torch.cumsum(lens, 0) - lens
+            cols = starts.repeat_interleave(lens) + torch.arange(int(lens.sum())) - offsets.repeat_interleave(lens)
+        vals = self.req_to_token[rows, cols]
+        packed = torch.stack([rows, cols, vals]).to(self.device_table.device)
+        self.device_table[packed[0], packed[1]] = packed[2]
 
 
 def resolve_device(device: str) -> str:
@@ -44,6 +87,7 @@ class ModelRunner:
         self._load_model(model_dir)
         self._init_memory_pools()
         self._init_attention_backend()
+        self._init_gpu_fast_path()
 
     # Set-up ------------------------------------------------------------------------------------------------------
     def _load_model(self, model_dir: str | None) -> None:
@@ -51,15 +95,49 @@ class ModelRunner:
 
         torch.manual_seed(self.server_args.random_seed)
         model_cls = get_model_class(self.config)
-        with torch.device("cpu"):
-            model = model_cls(self.config)
-        if self.server_args.load_format == "dummy":
-            model.init_dummy_weights(self.server_args.random_seed)
+        if self.device == "cpu":
+            with torch.device("cpu"):
+                model = model_cls(self.config)
+            if self.server_args.load_format == "dummy":
+                model.init_dummy_weights(self.server_args.random_seed)
+            else:
+                model.load_weights(iterate_weights(model_dir))
+            self.model = model.to(device=self.device, dtype=self.dtype).eval()
         else:
-            model.load_weights(iterate_weights(model_dir))
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+            # Build the parameters directly on the GPU in the target dtype: no fp32 copy on the host.
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                with torch.device(self.device):
+                    model = model_cls(self.config)
+            finally:
+                torch.set_default_dtype(prev)
+            if self.server_args.load_format == "dummy":
+                self._init_dummy_weights(model)
+            else:
+                model.load_weights(iterate_weights(model_dir))
+            self.model = model.to(self.device).eval()  # buffers made on the host (rope init) move too
         # The rope frequencies stay fp32 (HF keeps inv_freq in fp32 too).
         self.model.model.rotary_emb.inv_freq = self.model.model.rotary_emb.inv_freq.float()
+
+    def _init_dummy_weights(self, model) -> None:
+        """Small models: the model's own seeded host init (same weights as on the CPU). Large ones: the same
+        rules (normal(0, initializer_range), norms 1, biases 0) drawn on the GPU, in seconds."""
+        seed = self.server_args.random_seed
+        numel = sum(p.numel() for p in model.parameters())
+        if numel <= SMALL_MODEL_PARAMS:
+            model.init_dummy_weights(seed)
+            return
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std, generator=gen)
 
     def _init_memory_pools(self) -> None:
         sa = self.server_args
@@ -72,14 +150,18 @@ class ModelRunner:
         elif self.device == "cpu":
             total = min(CPU_KV_BUDGET_BYTES // per_token, MAX_DEFAULT_POOL_TOKENS)
         else:
-            free, total_mem = torch.cuda.mem_get_info()
+            torch.cuda.empty_cache()
+            free, total_mem = torch.cuda.mem_get_info(self.device)
             budget = free - total_mem * (1 - sa.mem_fraction_static)
-            total = int(budget // per_token)
+            total = min(int(budget // per_token), MAX_GPU_POOL_TOKENS)
             if total <= 0:
                 raise RuntimeError("not enough GPU memory for the KV pool; raise --mem-fraction-static")
         total = max(sa.page_size, total // sa.page_size * sa.page_size)
         self.max_total_num_tokens = total
-        self.req_to_token_pool = ReqToTokenPool(sa.max_running_requests, self.context_len + 8, self.device)
+        if self.device != "cpu" and sa.attention_backend == "triton":
+            self.req_to_token_pool = MirroredReqToTokenPool(sa.max_running_requests, self.context_len + 8, self.device)
+        else:
+            self.req_to_token_pool = ReqToTokenPool(sa.max_running_requests, self.context_len + 8, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, sa.page_size, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(total, self.dtype, num_kv_heads, head_dim, cfg.num_hidden_layers,
                                                  self.device, sa.page_size)
@@ -103,15 +185,52 @@ class ModelRunner:
 
             self.attn_backend = FlashInferAttnBackend(self)
 
+    def _init_gpu_fast_path(self) -> None:
+        """GPU: fused element-wise kernels for Llama-family models, and CUDA graphs for decode (triton backend)."""
+        self.executor = None
+        self.graph_runner = None
+        if self.device == "cpu":
+            return
+        if os.environ.get("SGLANG_BACKEND_DISABLE_FUSED_OPS", "0") != "1":
+            try:
+                from ..layers.attention.triton_ops.fused_llama import FusedLlamaExecutor
+            except ImportError:  # no triton: plain torch modules
+                FusedLlamaExecutor = None
+            if FusedLlamaExecutor is not None and FusedLlamaExecutor.supports(self.model):
+                self.executor = FusedLlamaExecutor(self.model, self.req_to_token_pool.max_context_len, self.device)
+        if not self.server_args.disable_cuda_graph and getattr(self.attn_backend, "supports_fused_kv_store", False):
+            from .cuda_graph_runner import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(self)
+
     # Forward ------------------------------------------------------------------------------------------------------
+    def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.executor is not None:
+            return self.executor(fb.input_ids, fb.positions, fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.executor is not None:
+            return self.executor.logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    def _logits_all_rows(self, fb: ForwardBatch) -> torch.Tensor:
+        """Decode body captured by the CUDA graph runner: logits of every row, no host work."""
+        return self._compute_logits(self._run_model(fb))
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Runs the batch; returns float32 logits for the rows in ``fb.logits_indices``."""
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
+        sync = getattr(self.req_to_token_pool, "sync_to_device", None)
+        if sync is not None:
+            sync()
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
+        hidden = self._run_model(fb)
         if fb.logits_indices is None or len(fb.logits_indices) == 0:
             return torch.empty(0, self.vocab_size, device=self.device)
-        return self.model.compute_logits(hidden[fb.logits_indices])
+        return self._compute_logits(hidden[fb.logits_indices])

@@ -1,0 +1,121 @@
+"""Triton attention backend: paged extend (prefix + causal new tokens) and split-KV paged decode, fp16/bf16
+(fp32 too, with exact dot products), any page size (the kernels read token-granular ``req_to_token``).
+
+Per batch, ``init_forward_metadata`` does only host-side work plus (extend) one small host-to-device copy; the
+decode path reads ``req_pool_indices`` / ``seq_lens`` straight from the batch's device tensors and uses scratch
+buffers allocated once, so a decode step can be captured in a CUDA graph (see cuda_graph_runner.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...models.llama import head_dim_of
+from .base import AttentionBackend
+from .triton_ops.decode_attention import decode_attention_fwd
+from .triton_ops.extend_attention import extend_attention_fwd
+from .triton_ops.fused_ops import store_kv
+
+MAX_KV_SPLITS = 32
+
+
+def device_table(req_to_token_pool) -> torch.Tensor:
+    """The req_to_token table the kernels read (the GPU mirror when the pool keeps its table on the host)."""
+    return getattr(req_to_token_pool, "device_table", req_to_token_pool.req_to_token)
+
+
+class TritonAttnBackend(AttentionBackend):
+    # The model may write K/V into the pool itself (fused with rotary) and call forward(..., save_kv=False).
+    supports_fused_kv_store = True
+
+    def __init__(self, model_runner):
+        cfg = model_runner.config
+        self.device = torch.device(model_runner.device)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        props = torch.cuda.get_device_properties(self.device)
+        self.num_sms = props.multi_processor_count
+        # Programs per (request, split) in decode stage 1: one per query head (MHA) or per KV head (GQA).
+        self.heads_per_req = self.num_heads if self.num_heads == self.num_kv_heads else self.num_kv_heads
+        max_bs = int(model_runner.server_args.max_running_requests)
+        # bs * splits <= bs + target programs / heads_per_req for every bs (see num_kv_splits).
+        rows = max_bs + self._target_programs() // self.heads_per_req + 1
+        rows = max(rows, MAX_KV_SPLITS)
+        self.mid_o = torch.empty(rows * self.num_heads * self.head_dim, dtype=torch.float32, device=self.device)
+        self.mid_lse = torch.empty(rows * self.num_heads, dtype=torch.float32, device=self.device)
+        self.decode_splits = 1
+        self.forward_metadata = None
+
+    def _target_programs(self) -> int:
+        return 4 * self.num_sms
+
+    def num_kv_splits(self, bs: int) -> int:
+        """Splits along the sequence in decode so that bs * heads * splits fills the GPU (a constant per
+        batch size, so a CUDA graph captured for bs serves every sequence length)."""
+        progs = bs * self.heads_per_req
+        return max(1, min(MAX_KV_SPLITS, -(-self._target_programs() // progs)))
+
+    def _scratch(self, bs: int, splits: int):
+        n = bs * self.num_heads * splits
+        assert n * self.head_dim <= self.mid_o.numel(), "decode batch larger than max_running_requests"
+        mid_o = self.mid_o[: n * self.head_dim].view(bs, self.num_heads, splits, self.head_dim)
+        mid_lse = self.mid_lse[:n].view(bs, self.num_heads, splits)
+        return mid_o, mid_lse
+
+    # Metadata ------------------------------------------------------------------------------------------------
+    def init_forward_metadata(self, fb) -> None:
+        if fb.forward_mode.is_decode():
+            self.decode_splits = self.num_kv_splits(fb.batch_size)
+            self.forward_metadata = None
+            return
+        prefix = fb.extend_prefix_lens_cpu
+        extend = fb.extend_seq_lens_cpu
+        starts, acc = [], 0
+        for e in extend:
+            starts.append(acc)
+            acc += e
+        meta = torch.tensor([prefix, extend, starts], dtype=torch.int32).to(self.device, non_blocking=True)
+        self.forward_metadata = (meta[0], meta[1], meta[2], max(extend) if extend else 0)
+
+    def init_forward_metadata_capture(self, bs: int) -> None:
+        """Decode metadata for a CUDA graph of (padded) batch size bs."""
+        self.decode_splits = self.num_kv_splits(bs)
+        self.forward_metadata = None
+
+    # Attention -----------------------------------------------------------------------------------------------
+    def forward(self, q, k, v, layer, forward_batch, save_kv: bool = True):
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv)
+
+    def _save(self, k, v, layer, fb) -> None:
+        pool = fb.token_to_kv_pool
+        store_kv(k, v, fb.out_cache_loc, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id))
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv: bool = True):
+        if save_kv:
+            self._save(k, v, layer, fb)
+        pool = fb.token_to_kv_pool
+        prefix_lens, extend_lens, extend_start, max_extend = self.forward_metadata
+        T = q.shape[0]
+        qv = q.view(T, layer.num_heads, layer.head_dim)
+        o = torch.empty((T, layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
+        extend_attention_fwd(qv, o, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                             device_table(fb.req_to_token_pool), fb.req_pool_indices, prefix_lens, extend_lens,
+                             extend_start, max_extend, layer.scaling)
+        return o.view(T, layer.num_heads * layer.head_dim)
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv: bool = True):
+        if save_kv:
+            self._save(k, v, layer, fb)
+        pool = fb.token_to_kv_pool
+        bs = q.shape[0]
+        splits = self.decode_splits
+        mid_o, mid_lse = self._scratch(bs, splits)
+        qv = q.view(bs, layer.num_heads, layer.head_dim)
+        o = torch.empty((bs, layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
+        decode_attention_fwd(qv, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
+                             device_table(fb.req_to_token_pool), fb.req_pool_indices, fb.seq_lens, mid_o, mid_lse,
+                             splits, layer.scaling)
+        return o.view(bs, layer.num_heads * layer.head_dim)

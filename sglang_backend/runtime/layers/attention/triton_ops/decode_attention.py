@@ -1,0 +1,217 @@
+"""Paged decode attention: one query token per request over its KV slots, split along the sequence.
+
+Layout (same as the torch_native reference):
+
+* ``q``: [bs, num_heads, head_dim] (any row/head stride, last dim contiguous), the new token of each request;
+* ``k_buf`` / ``v_buf``: [num_slots, num_kv_heads, head_dim], the paged pool of one layer;
+* ``req_to_token[req_pool_indices[b], i]`` is the KV slot of request b's token i, for i < seq_lens[b]
+  (seq_lens includes the new token, whose KV is already stored).
+
+Stage 1 (grid ``bs x heads x splits``) lets each program attend to one contiguous split of the sequence and
+write its normalised partial output and log-sum-exp (base 2) to fp32 scratch buffers; stage 2 merges the
+splits. The number of splits is a compile-time constant chosen from the batch size only, so one launch shape
+serves every sequence length: that is what makes the decode step capturable in a CUDA graph. Empty splits
+(short sequences) write a zero output with lse = -inf, which stage 2 weights by zero.
+
+MHA (one query head per KV head) uses a vector kernel; grouped-query attention packs the query heads of one
+KV head into the rows of a ``tl.dot`` so each KV tile is read once per group.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_stage1_mha(
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    sm_scale_log2,
+    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_FASTEST: tl.constexpr,
+):
+    if HEAD_FASTEST:  # programs launched together read neighbouring heads of the same tokens
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+    s = tl.program_id(2)
+    kvh = h // KV_GROUP
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    req = tl.load(ReqPoolIdx + b).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+
+    m_i = tl.zeros([], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        # K and V tiles are requested together: twice the bytes in flight per program.
+        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.sum(k.to(tl.float32) * q[None, :], 1) * sm_scale_log2
+        qk = tl.where(mask_n, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(MidO + b * stride_mb + h * stride_mh + s * stride_ms + offs_d, out, mask=mask_d)
+    tl.store(MidLse + b * stride_lb + h * stride_lh + s, lse)
+
+
+@triton.jit
+def _decode_stage1_gqa(
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    sm_scale_log2,
+    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr,
+):
+    if HEAD_FASTEST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    req = tl.load(ReqPoolIdx + b).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < KV_GROUP
+    heads = kvh * KV_GROUP + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * sm_scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + s * stride_ms + offs_d[None, :], out,
+             mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(MidLse + b * stride_lb + heads * stride_lh + s, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2(
+    MidO, MidLse, O,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)  # the split holding the max has weight 1, empty splits 0
+    part = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    part = tl.where(w[:, None] > 0, part, 0.0)
+    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+
+
+# Launch parameters of stage 1, (BLOCK_N, num_warps, num_stages, head_fastest), for small batches (the
+# sequence split many ways) and large ones; tuned on H100/H200 (benchmarks/bench_gpu.py --only attn_sweep).
+MHA_CONFIG = {"small": [64, 4, 1, True], "large": [128, 4, 2, True]}
+GQA_CONFIG = {"small": [64, 4, 1, True], "large": [64, 4, 2, True]}
+LARGE_BATCH = 16
+
+
+def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+                         num_splits: int, sm_scale: float, config: tuple | None = None) -> None:
+    """q, o: [bs, H, D]; k_buf, v_buf: [slots, Hkv, D]; mid_o: >= [bs, H, num_splits, D] fp32 and
+    mid_lse: >= [bs, H, num_splits] fp32 scratch (any leading layout given by their strides)."""
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(-1) == 1 and o.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    scale_log2 = sm_scale * LOG2E
+    common = (q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+              q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+              req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+              mid_lse.stride(0), mid_lse.stride(1), scale_log2)
+    size = "large" if bs >= LARGE_BATCH else "small"
+    if group == 1:
+        block_n, warps, stages, head_fastest = config or MHA_CONFIG[size]
+        if block_d > 128:
+            block_n = min(block_n, 32)
+        grid = (num_heads, bs, num_splits) if head_fastest else (bs, num_heads, num_splits)
+        _decode_stage1_mha[grid](
+            *common, KV_GROUP=1, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            HEAD_FASTEST=head_fastest, num_warps=warps, num_stages=stages,
+        )
+    else:
+        import torch
+
+        block_n, warps, stages, head_fastest = config or GQA_CONFIG[size]
+        if block_d > 128:
+            block_n = min(block_n, 32)
+        grid = (num_kv_heads, bs, num_splits) if head_fastest else (bs, num_kv_heads, num_splits)
+        _decode_stage1_gqa[grid](
+            *common, KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+            BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
+            IEEE=q.dtype == torch.float32, HEAD_FASTEST=head_fastest, num_warps=warps, num_stages=stages,
+        )
+    _decode_stage2[(bs, num_heads)](
+        mid_o, mid_lse, o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if block_d >= 128 else 2,
+    )

@@ -1,0 +1,94 @@
+"""GPU execution of a Llama-family model (models/llama.py) with fused element-wise kernels.
+
+The model object keeps its weights and its reference ``forward``; this executor walks the same modules
+(embedding, per-layer qkv/o/gate_up/down linears, norms) but replaces the chains of small torch ops with one
+Triton kernel each: residual-add + RMSNorm, rotary on q/k (+ the KV store when the backend allows it), and
+SiLU-and-mul. Rotary reads a cos/sin table precomputed once from the model's own ``inv_freq`` (and rope
+scaling), so no per-step trigonometry runs either. The result is graph-capturable: no host syncs, shapes depend
+only on the number of tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import os
+
+from .fused_ops import fused_add_rmsnorm, rmsnorm, rope_and_store_kv, silu_and_mul
+from .gemv import gemv
+
+
+class FusedLlamaExecutor:
+    def __init__(self, model, max_positions: int, device):
+        self.model = model
+        inner = model.model
+        first = inner.layers[0].self_attn
+        self.num_heads = first.num_heads
+        self.num_kv_heads = first.num_kv_heads
+        self.head_dim = first.head_dim
+        rot = inner.rotary_emb
+        inv_freq = rot.inv_freq.to(device=device, dtype=torch.float32)
+        # Same fp32 arithmetic as RotaryEmbedding.cos_sin (positions.float() * inv_freq).
+        pos = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        scale = rot.attention_scaling
+        self.cos_sin = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).contiguous()
+        self.max_positions = max_positions
+        # Single-row linears through the Triton GEMV instead of cuBLAS (decode at batch 1). Off by default:
+        # cuBLAS measured faster on every Llama-2-7B shape on an H200 (bench_gpu.py --only gemv_sweep).
+        self.use_gemv = os.environ.get("SGLANG_BACKEND_GEMV", "0") == "1"
+
+    def linear(self, x: torch.Tensor, mod) -> torch.Tensor:
+        if self.use_gemv and x.shape[0] == 1:
+            return gemv(x, mod.weight, mod.bias)
+        return mod(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.use_gemv and hidden.shape[0] == 1:
+            return gemv(hidden.contiguous(), self.model.lm_head_weight).float()
+        return self.model.compute_logits(hidden)
+
+    @staticmethod
+    def supports(model) -> bool:
+        from ....models.llama import LlamaForCausalLM
+
+        if type(model) is not LlamaForCausalLM:
+            return False
+        attn = model.model.layers[0].self_attn
+        return attn.head_dim % 2 == 0
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> torch.Tensor:
+        inner = self.model.model
+        backend = fb.attn_backend
+        fused_store = bool(getattr(backend, "supports_fused_kv_store", False))
+        pool = fb.token_to_kv_pool
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = H * D, Hkv * D
+
+        residual = inner.embed_tokens(input_ids)
+        layers = inner.layers
+        x = rmsnorm(residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        mlp_out = None
+        for i, layer in enumerate(layers):
+            if i > 0:
+                norm = layer.input_layernorm
+                x = fused_add_rmsnorm(mlp_out, residual, norm.weight, norm.eps)
+            attn = layer.self_attn
+            qkv = self.linear(x, attn.qkv_proj)
+            if fused_store:
+                lid = attn.attn.layer_id
+                rope_and_store_kv(qkv, positions, self.cos_sin, H, Hkv, D, fb.out_cache_loc,
+                                  pool.get_key_buffer(lid), pool.get_value_buffer(lid))
+            else:
+                rope_and_store_kv(qkv, positions, self.cos_sin, H, Hkv, D)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            if fused_store:
+                o = backend.forward(q, k, v, attn.attn, fb, save_kv=False)
+            else:
+                o = attn.attn(q, k, v, fb)
+            o = self.linear(o, attn.o_proj)
+            norm = layer.post_attention_layernorm
+            x = fused_add_rmsnorm(o, residual, norm.weight, norm.eps)
+            mlp = layer.mlp
+            mlp_out = self.linear(silu_and_mul(self.linear(x, mlp.gate_up_proj)), mlp.down_proj)
+        return fused_add_rmsnorm(mlp_out, residual, inner.norm.weight, inner.norm.eps)
