@@ -499,17 +499,14 @@ class Scheduler:
         if not new_ids or len(new_ids) > room:
             return  # no room: decode it token by token instead
         req.grammar.advance_text(forced)
-        keep = req.seq_len - n_drop
-        if req.kv_len > keep:  # KV of dropped tokens is no longer valid
-            stale = self.req_to_token_pool.req_to_token[req.req_pool_idx, keep : req.kv_len]
-            self.allocator.free(stale.clone())
-            req.kv_len = keep
+        # The KV of the current tokens is valid: hand it to the tree as is. Re-admission matches the new
+        # token sequence up to where re-tokenization changed it, and the old tail is left for eviction.
+        self.running.remove(req)
+        self._release(req)
+        req.reset_kv_state()
         if n_drop:
             del req.output_ids[-n_drop:]
             req.output_ids_rewritten_from = min(req.output_ids_rewritten_from, len(req.output_ids))
-        self.running.remove(req)
-        self._release(req)  # its KV goes to the tree; re-admission hits it and extends the new tail
-        req.reset_kv_state()
         req.output_ids.extend(new_ids)
         self.waiting_queue.insert(0, req)
         self.stats.num_jump_forward += 1
