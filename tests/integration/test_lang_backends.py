@@ -27,9 +27,11 @@ def test_runtime_endpoint_program(server):
 def test_api_speculative_execution_saves_calls_and_prompt_tokens(server):
     @sgl.function
     def describe(s):
-        s += "Here is a short profile of the city of Paris.\n"
-        s += "Name: " + sgl.gen("name", stop="\n") + "\n"
-        s += "Country: " + sgl.gen("country", stop="\n") + "\n"
+        s += "Country: Germany\nCapital: Berlin\nLanguage: German\n\n"
+        s += "Country: Italy\nCapital: Rome\nLanguage: Italian\n\n"
+        s += "Country: France\n"
+        s += "Capital:" + sgl.gen("capital", stop="\n") + "\n"
+        s += "Language:" + sgl.gen("language", stop="\n") + "\n"
 
     @sgl.function(num_api_spec_tokens=64)
     def describe_spec(s):
@@ -39,13 +41,13 @@ def test_api_speculative_execution_saves_calls_and_prompt_tokens(server):
     for label, program in (("plain", describe), ("spec", describe_spec)):
         backend = sgl.OpenAI("default", is_chat_model=False, base_url=server.url + "/v1", api_key=server.api_key)
         state = program.run(backend=backend, temperature=0, max_new_tokens=32)
-        results[label] = (state["name"], state["country"], backend.token_usage.api_calls,
+        results[label] = (state["capital"], state["language"], backend.token_usage.api_calls,
                           backend.token_usage.prompt_tokens)
     plain, spec = results["plain"], results["spec"]
     assert spec[2] < plain[2], results  # fewer API calls
     assert spec[3] < plain[3], results  # fewer prompt tokens sent
-    if plain[1]:  # the model followed the template: the parsed fields agree
-        assert spec[:2] == plain[:2], results
+    assert plain[:2] == (" Paris", " French"), results  # the model follows the template here...
+    assert spec[:2] == plain[:2], results  # ...so speculation parses the same fields
 
 
 def test_openai_backend_chat_model(server):

@@ -59,6 +59,14 @@ class SamplingBatchInfo:
     # min_new_tokens: (row, token) pairs to set to -inf this step.
     blocked_rows: torch.Tensor | None = None
     blocked_cols: torch.Tensor | None = None
+    # Host-side count of greedy rows (no device sync to learn it).
+    num_greedy: int = 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy and nothing to apply: the sample is one argmax."""
+        return (self.num_greedy == self.batch_size and self.bias_rows is None and self.repetition_penalties is None
+                and self.frequency_penalties is None and self.blocked_rows is None)
 
     @property
     def batch_size(self) -> int:
@@ -95,6 +103,7 @@ class SamplingBatchInfo:
             need_top_k=any(k < vocab_size for k, p in zip(top_ks, params) if not p.is_greedy),
             need_top_p=any(p.top_p < 1.0 for p in params if not p.is_greedy),
             need_min_p=any(p.min_p > 0.0 for p in params if not p.is_greedy),
+            num_greedy=sum(p.is_greedy for p in params),
         )
 
         def in_vocab(t: int) -> bool:
@@ -163,6 +172,8 @@ class Sampler:
         assert logits.shape[1] == info.vocab_size, (
             f"logits have {logits.shape[1]} columns but the batch info was built for vocab_size={info.vocab_size}"
         )
+        if info.plain_greedy:
+            return torch.argmax(logits, dim=-1)
         logits = logits.to(dtype=torch.float32, copy=True)
         self.apply_logit_bias(logits, info)
         self.apply_penalties(logits, info)
@@ -170,7 +181,7 @@ class Sampler:
 
         next_ids = torch.empty(info.batch_size, dtype=torch.int64, device=logits.device)
         greedy = info.is_greedy.to(logits.device)
-        n_greedy = int(greedy.sum())
+        n_greedy = info.num_greedy
         if n_greedy == info.batch_size:
             return torch.argmax(logits, dim=-1)
         if n_greedy:

@@ -7,6 +7,7 @@ is driven in-process by the offline ``Engine`` and, in the server, by the schedu
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -138,7 +139,8 @@ class Scheduler:
                 failed.append(req)
         self.grammar_queue = pending
         if pending and not self.waiting_queue and not self.running and self.chunked_req is None:
-            pending[0][1].exception(timeout=0.05)  # nothing else to do: wait a little instead of spinning
+            # Nothing else to do: wait a little for a grammar instead of spinning.
+            concurrent.futures.wait([f for _, f in pending], timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
         return failed
 
     def abort_request(self, rid: str) -> Req | None:
@@ -233,13 +235,13 @@ class Scheduler:
                 break
             if chunk_budget <= 0 or input_budget <= 0 or admitted and admitted[-1].is_chunked:
                 break
+            t0 = time.perf_counter()
+            self.policy.match(req)  # fresh: earlier admissions may have evicted or extended an older match
+            self.stats.tree_op_seconds += time.perf_counter() - t0
             if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
                     and shares_uncached_prefix(req, admitted):
                 continue
-            t0 = time.perf_counter()
-            self.policy.match(req)  # fresh: earlier admissions may have evicted part of an older match
             self.tree_cache.inc_lock_ref(req.last_node)
-            self.stats.tree_op_seconds += time.perf_counter() - t0
             prefix_len = len(req.prefix_indices)
             extend = req.seq_len - prefix_len
             reserve = self._reserved_decode_tokens(self.running + admitted + [req])
@@ -392,13 +394,21 @@ class Scheduler:
         reqs = self.running
         if not reqs:
             return []
-        locs = []
-        for req in reqs:
-            loc = self._alloc_slots(1, self._last_loc(req))
-            assert loc is not None, "decode allocation failed after retraction check"
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, loc)
-            locs.append(loc)
-        batch = ScheduleBatch(reqs, ForwardMode.DECODE, out_cache_loc=torch.cat(locs))
+        if self.page_size == 1:
+            # The whole step's slots in one allocation and one table write.
+            locs = self._alloc_slots(len(reqs), -1)
+            assert locs is not None, "decode allocation failed after retraction check"
+            self.req_to_token_pool.write_tokens(torch.tensor([r.req_pool_idx for r in reqs]),
+                                                torch.tensor([r.kv_len for r in reqs]), locs)
+        else:
+            per_req = []
+            for req in reqs:
+                loc = self._alloc_slots(1, self._last_loc(req))
+                assert loc is not None, "decode allocation failed after retraction check"
+                self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, loc)
+                per_req.append(loc)
+            locs = torch.cat(per_req)
+        batch = ScheduleBatch(reqs, ForwardMode.DECODE, out_cache_loc=locs)
         logits = self._forward(batch)
         for req in reqs:
             req.kv_len += 1

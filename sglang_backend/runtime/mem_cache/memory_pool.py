@@ -37,6 +37,10 @@ class ReqToTokenPool:
     def write(self, idx: int, start: int, locs: torch.Tensor) -> None:
         self.req_to_token[idx, start : start + len(locs)] = locs.to(self.device)
 
+    def write_tokens(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor) -> None:
+        """One token per (row, col) pair: a whole decode step's slots in one op."""
+        self.req_to_token[rows.to(self.device), cols.to(self.device)] = locs.to(self.device)
+
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
 
@@ -87,7 +91,7 @@ class TokenToKVPoolAllocator:
         """
         if self.page_size == 1 or last_loc < 0:
             return self.alloc(need_size)
-        room = (self.page_size - 1 - last_loc % self.page_size) if last_loc >= 0 else 0
+        room = self.page_size - 1 - last_loc % self.page_size
         in_page = torch.arange(last_loc + 1, last_loc + 1 + min(room, need_size), dtype=torch.int64)
         rest = need_size - len(in_page)
         if rest == 0:

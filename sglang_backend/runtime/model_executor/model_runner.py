@@ -42,6 +42,13 @@ class MirroredReqToTokenPool(ReqToTokenPool):
         self.req_to_token[idx, start : start + n] = locs.to("cpu")
         self._pending.append((idx, start, n))
 
+    def write_tokens(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor) -> None:
+        """One token per (row, col) pair (a decode step of a whole batch) in one host op."""
+        if len(locs) == 0:
+            return
+        self.req_to_token[rows, cols] = locs.to("cpu")
+        self._pending.extend(zip(rows.tolist(), cols.tolist(), [1] * len(locs)))
+
     def sync_to_device(self) -> None:
         if not self._pending:
             return

@@ -1,0 +1,852 @@
+"""GPU benchmark: our engine (triton attention, CUDA graphs) vs the hardware ceilings and vs HF transformers
+``generate``, measured in one run on one GPU.
+
+Model: dummy (random) weights at Llama-2-7B shape in fp16 (``--model llama2-7b``) or Llama-3-8B shape in bf16
+(``--model llama3-8b``, GQA 32/8); throughput does not depend on weight values. Every figure:
+
+* ceilings, measured here: device-to-device copy bandwidth (bytes read + written) and a dense 8192^3 matmul
+  rate in the model's dtype, both on random data;
+* decode step at batch 1 and 64 with 1024 tokens of context, through ``ModelRunner.forward`` (CUDA graph
+  replay; timed back to back, and with a per-step argmax + host read as the scheduler does), vs the bandwidth
+  floor = (weights read per step + KV bytes read) / copy bandwidth; the engine's own per-step time (whole
+  scheduler loop) from ``Engine.generate`` is reported beside it;
+* prefill of 8 x 1024 new tokens through ``ModelRunner.forward``: achieved FLOP/s (linear layers + causal
+  attention) vs the matmul rate;
+* shared prefix: 128 requests = one 1024-token prefix + 64 unique tokens each, 32 output tokens
+  (ignore_eos, greedy), requests/s for us (radix cache on, and off) and HF ``generate`` in batches of 32;
+* offline 1k in / 1k out: N requests (as many as fit the KV pool in one wave, at most 64) output tokens/s.
+
+    python -m benchmarks.bench_gpu                       # the figures above, Llama-2-7B fp16
+    python -m benchmarks.bench_gpu --model llama3-8b --only ceilings,attn_sweep,runner,engine_decode
+    python -m benchmarks.bench_gpu --smoke               # tiny model, seconds (a GPU is still needed)
+
+Sections (``--only``, run in this order): ceilings, correctness (kernel errors vs float64 on fresh random
+inputs), attn_sweep (decode-attention launch configs; the fastest become the run's defaults), gemv_sweep
+(cuBLAS vs Triton GEMV at batch 1), hf, profile (per-kernel time of an eager decode step), runner,
+engine_decode, shared, offline, sched_patch (ablation: the scheduler changes proposed for the lead, applied
+by monkeypatch, then engine_decode/shared/offline again), no_radix.
+
+Writes ``$OUT/gpu_<model>.json`` when $OUT is set, else ``benchmarks/results/gpu_<model>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+from benchmarks.common import env_info, format_table
+
+MODELS = {
+    "llama2-7b": dict(dtype="float16", config=dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                                   num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                                   max_position_embeddings=4096)),
+    "llama3-8b": dict(dtype="bfloat16", config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                                    max_position_embeddings=8192, rope_theta=500000.0)),
+    "tiny": dict(dtype="float16", config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                                              max_position_embeddings=4096)),
+}
+
+RESULT: dict = {}
+OUT_PATH = ""
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save():
+    os.makedirs(os.path.dirname(OUT_PATH), exist_ok=True)
+    with open(OUT_PATH, "w") as f:
+        json.dump(RESULT, f, indent=2, default=str)
+
+
+def section(name):
+    def deco(fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            log(f"== {name}")
+            try:
+                out = fn(*a, **k)
+                RESULT.setdefault("sections", {})[name] = {"ok": True, "seconds": time.perf_counter() - t0}
+                return out
+            except Exception as e:  # noqa: BLE001 - keep the other figures
+                traceback.print_exc()
+                RESULT.setdefault("sections", {})[name] = {"ok": False, "error": repr(e),
+                                                           "seconds": time.perf_counter() - t0}
+                return None
+            finally:
+                save()
+        return run
+    return deco
+
+
+def cuda_time(fn, iters: int, warmup: int = 2) -> list[float]:
+    """Per-call seconds (events around each call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return out
+
+
+# Ceilings -----------------------------------------------------------------------------------------------------------
+@section("ceilings")
+def ceilings(dtype):
+    n = 1 << 30  # 2 GiB per buffer in fp16
+    bufs = [torch.empty(n, dtype=torch.float16, device="cuda").normal_() for _ in range(3)]
+    dst = torch.empty_like(bufs[0])
+    i = [0]
+
+    def copy():
+        dst.copy_(bufs[i[0] % 3])
+        i[0] += 1
+
+    t = statistics.median(cuda_time(copy, 20, 3))
+    bw = 2 * bufs[0].numel() * 2 / t
+    del bufs, dst
+    torch.cuda.empty_cache()
+    rates = {}
+    for dt in (torch.float16, torch.bfloat16):
+        m = 8192
+        a = [torch.randn(m, m, device="cuda", dtype=dt) for _ in range(2)]
+        b = torch.randn(m, m, device="cuda", dtype=dt)
+        j = [0]
+
+        def mm():
+            torch.mm(a[j[0] % 2], b)
+            j[0] += 1
+
+        tm = statistics.median(cuda_time(mm, 20, 5))
+        rates[str(dt).replace("torch.", "")] = 2 * m**3 / tm
+        del a, b
+    RESULT["ceilings"] = {"copy_bw_Bps": bw, "matmul_flops": rates}
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s; matmul " + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()))
+    torch.cuda.empty_cache()
+
+
+# Model files --------------------------------------------------------------------------------------------------------
+def make_model_dir(name: str) -> str:
+    from transformers import LlamaConfig
+
+    from sglang_backend.runtime.model_loader.loader import build_dummy_tokenizer
+
+    spec = MODELS[name]
+    d = os.path.join(tempfile.gettempdir(), f"sglb_bench_{name}")
+    os.makedirs(d, exist_ok=True)
+    cfg = LlamaConfig(**spec["config"], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      tie_word_embeddings=False)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(d)
+    if not os.path.exists(os.path.join(d, "tokenizer.json")):
+        build_dummy_tokenizer(cfg.vocab_size).save_pretrained(d)
+    return d
+
+
+def model_bytes(cfg, dtype_bytes: int) -> dict:
+    h, i, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // H
+    per_layer = h * (H + 2 * Hkv) * d + H * d * h + 2 * h * i + i * h + 2 * h
+    linear_params = L * per_layer + V * h + h  # layers + lm_head + final norm (the embedding is only gathered)
+    kv_per_token = 2 * L * Hkv * d * dtype_bytes
+    return {"read_params": linear_params, "weight_bytes": linear_params * dtype_bytes, "kv_bytes_per_token": kv_per_token,
+            "matmul_params": L * (per_layer - 2 * h), "lm_head_params": V * h, "layers": L, "heads": H, "head_dim": d}
+
+
+# Workloads ----------------------------------------------------------------------------------------------------------
+def rand_ids(n: int, g: torch.Generator, vocab: int) -> list[int]:
+    return torch.randint(3, min(vocab, 30000), (n,), generator=g).tolist()
+
+
+def shared_prefix_prompts(seed: int, vocab: int, n=128, prefix=1024, unique=64):
+    g = torch.Generator().manual_seed(seed)
+    p = rand_ids(prefix, g, vocab)
+    return [p + rand_ids(unique, g, vocab) for _ in range(n)]
+
+
+# HF transformers ----------------------------------------------------------------------------------------------------
+@section("hf")
+def bench_hf(name: str, args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = MODELS[name]
+    dtype = getattr(torch, spec["dtype"])
+    cfg = LlamaConfig(**spec["config"], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    t0 = time.perf_counter()
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    log(f"HF model built in {time.perf_counter() - t0:.1f} s")
+    vocab = cfg.vocab_size
+    res = {}
+
+    def gen(ids: list[list[int]], new: int):
+        x = torch.tensor(ids, device="cuda")
+        with torch.inference_mode():
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return out
+
+    g = torch.Generator().manual_seed(1)
+    gen([rand_ids(64, g, vocab)] * 2, 4)  # warm-up
+    if "decode" in args.hf_parts:
+        for bs, ctx, steps in ((1, 1024, 64), (64, 1024, 16)):
+            ids = [rand_ids(ctx - 1, g, vocab) for _ in range(bs)]
+            gen(ids, 2)
+            t1 = time.perf_counter(); gen(ids, 1); t1 = time.perf_counter() - t1
+            tn = time.perf_counter(); gen(ids, steps + 1); tn = time.perf_counter() - tn
+            res[f"decode_step_bs{bs}_s"] = (tn - t1) / steps
+            log(f"HF decode bs={bs} ctx={ctx}: {res[f'decode_step_bs{bs}_s'] * 1e3:.2f} ms/step")
+    if "shared" in args.hf_parts:
+        prompts = shared_prefix_prompts(7, vocab)
+        gen(prompts[:32], 2)
+        t = time.perf_counter()
+        for i in range(0, len(prompts), 32):
+            gen(prompts[i : i + 32], 32)
+        t = time.perf_counter() - t
+        res["shared_prefix_s"] = t
+        res["shared_prefix_req_per_s"] = len(prompts) / t
+        log(f"HF shared prefix: {len(prompts)} requests in {t:.2f} s = {len(prompts) / t:.1f} req/s")
+    RESULT["hf"] = res
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# Ours -----------------------------------------------------------------------------------------------------------------
+def make_engine(model_dir: str, dtype: str, **kw):
+    from sglang_backend import Engine
+
+    t0 = time.perf_counter()
+    eng = Engine(model_path=model_dir, load_format="dummy", dtype=dtype, device="cuda", attention_backend="triton",
+                 log_level="warning", **kw)
+    mr = eng.scheduler.model_runner
+    log(f"engine up in {time.perf_counter() - t0:.1f} s; KV pool {mr.max_total_num_tokens} tokens; "
+        f"graphs {getattr(mr.graph_runner, 'capture_bs', None)}")
+    return eng
+
+
+def close_engine(eng):
+    eng.shutdown()
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _alloc_requests(mr, lens: list[int]):
+    rows = [mr.req_to_token_pool.alloc() for _ in lens]
+    assert None not in rows
+    slots = mr.token_to_kv_pool_allocator.alloc(sum(lens))
+    assert slots is not None, "KV pool too small for the microbenchmark"
+    per, off = [], 0
+    for r, n in zip(rows, lens):
+        mr.req_to_token_pool.write(r, 0, slots[off : off + n])
+        per.append(slots[off : off + n].to(mr.device))
+        off += n
+    return rows, slots.to(mr.device), per
+
+
+def _random_kv(mr):
+    pool = mr.token_to_kv_pool
+    for buf in pool.k_buffer + pool.v_buffer:  # random KV, never zeros
+        buf.normal_()
+
+
+def _free_requests(mr, rows, slots):
+    mr.token_to_kv_pool_allocator.free(slots)
+    for r in rows:
+        mr.req_to_token_pool.free(r)
+
+
+@section("runner")
+def bench_runner(eng, mb: dict, name: str):
+    """Decode step and prefill through ModelRunner.forward (the engine is idle meanwhile)."""
+    from sglang_backend.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+    eng.flush_cache()
+    mr = eng.scheduler.model_runner
+    _random_kv(mr)
+    ceil = RESULT.get("ceilings", {})
+    bw = ceil.get("copy_bw_Bps")
+    mm_rate = ceil.get("matmul_flops", {}).get(MODELS[name]["dtype"])
+    res = {}
+    V = mr.vocab_size
+    for bs in (1, 1, 64):
+        ctx = 1024
+        gemv_state = None
+        if bs == 1 and mr.executor is not None:
+            # First pass with the Triton GEMV at batch 1, second with cuBLAS (graphs recaptured); keep the faster.
+            from sglang_backend.runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+
+            gemv_state = "decode_bs1_gemv" not in res
+            if mr.executor.use_gemv != gemv_state:
+                mr.executor.use_gemv = gemv_state
+                mr.graph_runner = None
+                gc.collect()
+                mr.graph_runner = CudaGraphRunner(mr)
+        rows, slots, per = _alloc_requests(mr, [ctx] * bs)
+        fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, V, (bs,), device="cuda"),
+                          torch.full((bs,), ctx - 1, device="cuda"), torch.stack([p[-1] for p in per]),
+                          torch.tensor(rows, device="cuda"), torch.full((bs,), ctx, device="cuda"), [ctx] * bs,
+                          logits_indices=torch.arange(bs, device="cuda"))
+        pipelined = cuda_time(lambda: mr.forward(fb), 30, 5)
+
+        def synced():
+            mr.forward(fb).argmax(-1).tolist()
+
+        t_sync = []
+        for _ in range(3):
+            synced()
+        for _ in range(30):
+            t0 = time.perf_counter()
+            synced()
+            t_sync.append(time.perf_counter() - t0)
+        floor_bytes = mb["weight_bytes"] + bs * ctx * mb["kv_bytes_per_token"]
+        floor = floor_bytes / bw if bw else None
+        step = statistics.median(pipelined)
+        key = f"decode_bs{bs}"
+        if gemv_state is not None:
+            key = "decode_bs1_gemv" if gemv_state else "decode_bs1_cublas"
+        res[key] = {"use_gemv": gemv_state,"ctx": ctx, "step_s": step, "step_synced_s": statistics.median(t_sync),
+                                 "floor_bytes": floor_bytes, "floor_s": floor,
+                                 "ratio_to_floor": step / floor if floor else None,
+                                 "achieved_Bps": floor_bytes / step}
+        log(f"decode bs={bs} ctx={ctx} [{key}]: {step * 1e3:.3f} ms (synced {statistics.median(t_sync) * 1e3:.3f} ms); "
+            f"floor {floor * 1e3 if floor else float('nan'):.3f} ms; ratio {step / floor if floor else float('nan'):.3f}")
+        # Same step without CUDA graphs (eager launches), for the record.
+        gr = mr.graph_runner
+        mr.graph_runner = None
+        try:
+            res[key]["step_eager_s"] = statistics.median(cuda_time(lambda: mr.forward(fb), 10, 2))
+        finally:
+            mr.graph_runner = gr
+        log(f"   eager (no graph): {res[key]['step_eager_s'] * 1e3:.3f} ms")
+        _free_requests(mr, rows, slots)
+        if gemv_state is False:  # both measured: keep the faster for everything that follows
+            use = res["decode_bs1_gemv"]["step_s"] < res["decode_bs1_cublas"]["step_s"]
+            res["decode_bs1"] = dict(res["decode_bs1_gemv" if use else "decode_bs1_cublas"])
+            if mr.executor.use_gemv != use:
+                mr.executor.use_gemv = use
+                mr.graph_runner = None
+                gc.collect()
+                mr.graph_runner = CudaGraphRunner(mr)
+            log(f"batch-1 linears: {'Triton GEMV' if use else 'cuBLAS'}")
+
+    # Prefill 8 x 1024.
+    n_req, n = 8, 1024
+    rows, slots, per = _alloc_requests(mr, [n] * n_req)
+    T = n_req * n
+    fb = ForwardBatch(ForwardMode.EXTEND, torch.randint(3, V, (T,), device="cuda"),
+                      torch.arange(n, device="cuda").repeat(n_req), slots, torch.tensor(rows, device="cuda"),
+                      torch.full((n_req,), n, device="cuda"), [n] * n_req,
+                      extend_prefix_lens_cpu=[0] * n_req, extend_seq_lens_cpu=[n] * n_req,
+                      logits_indices=torch.arange(n_req, device="cuda") * n + n - 1)
+    times = cuda_time(lambda: mr.forward(fb), 7, 2)
+    t = statistics.median(times)
+    L, H, D = mb["layers"], mb["heads"], mb["head_dim"]
+    linear_flops = 2 * T * mb["matmul_params"] + 2 * n_req * mb["lm_head_params"]
+    attn_flops = 4 * L * H * D * n_req * (n * (n + 1) // 2)
+    flops = linear_flops + attn_flops
+    res["prefill_8x1024"] = {"time_s": t, "flops": flops, "linear_flops": linear_flops, "attn_flops": attn_flops,
+                             "achieved_flops": flops / t, "matmul_rate": mm_rate,
+                             "fraction_of_matmul_rate": flops / t / mm_rate if mm_rate else None,
+                             "tokens_per_s": T / t}
+    log(f"prefill 8x1024: {t * 1e3:.1f} ms = {flops / t / 1e12:.0f} TFLOP/s "
+        f"({flops / t / mm_rate * 100 if mm_rate else float('nan'):.0f}% of matmul rate)")
+    _free_requests(mr, rows, slots)
+    eng.flush_cache()
+    RESULT.setdefault("ours", {}).update(res)
+
+
+@section("engine_decode")
+def bench_engine_decode(eng, vocab: int, suffix: str = ""):
+    """Per-step time of the whole engine loop (scheduler, sampling, detokenizer state) at ~1k context."""
+    res = {}
+    g = torch.Generator().manual_seed(11)
+    for bs, steps in ((1, 128), (64, 32)):
+        prompts = [rand_ids(1024, g, vocab) for _ in range(bs)]
+        eng.flush_cache()
+        eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 2, "ignore_eos": True, "temperature": 0})
+        eng.flush_cache()
+        t1 = time.perf_counter()
+        eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "ignore_eos": True, "temperature": 0})
+        t1 = time.perf_counter() - t1
+        eng.flush_cache()
+        tn = time.perf_counter()
+        eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": steps + 1, "ignore_eos": True,
+                                                           "temperature": 0})
+        tn = time.perf_counter() - tn
+        res[f"engine_decode_step_bs{bs}_s{suffix}"] = (tn - t1) / steps
+        log(f"engine decode{suffix} bs={bs}: {(tn - t1) / steps * 1e3:.2f} ms/step (ttft {t1 * 1e3:.0f} ms)")
+    eng.flush_cache()
+    RESULT.setdefault("ours", {}).update(res)
+
+
+@section("shared_prefix")
+def bench_shared(eng, vocab: int, key: str):
+    sp = {"max_new_tokens": 32, "ignore_eos": True, "temperature": 0}
+    eng.flush_cache()
+    eng.generate(input_ids=shared_prefix_prompts(3, vocab, n=32), sampling_params=sp)  # warm-up
+    eng.flush_cache()
+    prompts = shared_prefix_prompts(7, vocab)
+    # Prefill phase alone (one output token), then the whole workload, both from a cold cache.
+    t1 = time.perf_counter()
+    eng.generate(input_ids=prompts, sampling_params=dict(sp, max_new_tokens=1))
+    t1 = time.perf_counter() - t1
+    eng.flush_cache()
+    before = eng.get_stats()
+    t = time.perf_counter()
+    eng.generate(input_ids=prompts, sampling_params=sp)
+    t = time.perf_counter() - t
+    stats = eng.get_stats()
+    RESULT.setdefault("ours", {})[key] = {
+        "time_s": t, "req_per_s": len(prompts) / t, "cache_hit_rate": stats.get("cache_hit_rate"),
+        "prefill_phase_s": t1, "decode_step_s": (t - t1) / 31,
+        "prefill_batches": stats["num_prefill_batches"] - before["num_prefill_batches"],
+        "decode_batches": stats["num_decode_batches"] - before["num_decode_batches"],
+        "tree_op_s": stats["tree_op_seconds"] - before["tree_op_seconds"]}
+    log(f"   prefill phase {t1:.3f} s; decode ~{(t - t1) / 31 * 1e3:.1f} ms/step; "
+        f"{RESULT['ours'][key]['prefill_batches']} prefill + {RESULT['ours'][key]['decode_batches']} decode batches; "
+        f"tree ops {RESULT['ours'][key]['tree_op_s']:.3f} s")
+    log(f"{key}: {len(prompts)} requests in {t:.2f} s = {len(prompts) / t:.1f} req/s "
+        f"(hit rate {stats.get('cache_hit_rate'):.2f})")
+    eng.flush_cache()
+
+
+@section("offline_1k_1k")
+def bench_offline(eng, vocab: int, max_req: int, key: str = "offline_1k_1k"):
+    mr = eng.scheduler.model_runner
+    n = max(1, min(max_req, int(mr.max_total_num_tokens * 0.97) // 2048))
+    g = torch.Generator().manual_seed(5)
+    prompts = [rand_ids(1024, g, vocab) for _ in range(n)]
+    sp = {"max_new_tokens": 1024, "ignore_eos": True, "temperature": 0}
+    eng.flush_cache()
+    before = eng.get_stats()
+    t = time.perf_counter()
+    out = eng.generate(input_ids=prompts, sampling_params=sp)
+    t = time.perf_counter() - t
+    after = eng.get_stats()
+    toks = sum(len(o["output_ids"]) for o in out)
+    RESULT.setdefault("ours", {})[key] = {
+        "num_requests": n, "time_s": t, "output_tokens": toks, "output_tok_per_s": toks / t,
+        "retractions": after["num_retractions"] - before["num_retractions"],
+        "decode_batches": after["num_decode_batches"] - before["num_decode_batches"],
+        "forward_seconds": after["forward_seconds"] - before["forward_seconds"],
+    }
+    log(f"{key}: {n} requests, {toks} tokens in {t:.1f} s = {toks / t:.0f} tok/s "
+        f"(forward {after['forward_seconds'] - before['forward_seconds']:.1f} s)")
+    eng.flush_cache()
+
+@section("correctness")
+def bench_correctness():
+    """Worst relative error of the kernels vs float64 references on fresh random inputs (recorded in the JSON)."""
+    import random
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu"))
+    from kernel_checks import check_decode, check_extend, check_fused_ops
+
+    rng = random.Random(int(time.time()))
+    res = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        dn = str(dtype).replace("torch.", "")
+        for shape in ((32, 32, 128), (32, 8, 128), (28, 4, 128), (8, 1, 64)):
+            key = f"{dn}_{'x'.join(map(str, shape))}"
+            d = max(check_decode("cuda", dtype, *shape, [rng.randint(1, 4000) for _ in range(rng.choice([1, 7, 33]))],
+                                 rng.choice([1, 8, 32]), seed=rng.randint(0, 1 << 30)) for _ in range(2))
+            bs = rng.choice([1, 3, 6])
+            e = max(check_extend("cuda", dtype, *shape, [rng.choice([0, rng.randint(1, 2000)]) for _ in range(bs)],
+                                 [rng.randint(1, 1500) for _ in range(bs)], seed=rng.randint(0, 1 << 30))
+                    for _ in range(2))
+            res[key] = {"decode_rel_err": d, "extend_rel_err": e}
+        res[f"{dn}_fused_ops"] = check_fused_ops("cuda", dtype, T=64, hidden=4096, inter=11008, num_heads=32,
+                                                 num_kv_heads=8, head_dim=128)
+    RESULT["kernel_errors"] = res
+    for k, v in res.items():
+        log(k, {a: f"{b:.2e}" for a, b in v.items()})
+
+
+def graph_time(fns, reps: int = 7) -> float:
+    """GPU seconds per call of the callables in ``fns`` (run in turn), timed as CUDA-graph replays so that
+    Python launch overhead is excluded (as in the captured decode step)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for f in fns:
+            f()
+    t = statistics.median(cuda_time(g.replay, reps, 2))
+    del g
+    return t / len(fns)
+
+
+@section("attn_sweep")
+def bench_attn_sweep(name: str):
+    """Decode attention alone (1k context) over launch configs, timed in CUDA graphs with the KV of several
+    layers rotated (so nothing is served from L2). The fastest small- and large-batch configs become the
+    defaults for the rest of the run."""
+    from sglang_backend.runtime.layers.attention.triton_ops import decode_attention as da
+
+    cfg = MODELS[name]["config"]
+    dtype = getattr(torch, MODELS[name]["dtype"])
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg["hidden_size"] // H
+    ctx = 1024
+    res = []
+    chosen = {}
+    for bs, n_layers, splits_list, configs in (
+        (1, 8, (8, 16, 32), [(bn, w, st, hf) for bn in (32, 64, 128) for w in (4,) for st in (1, 2)
+                             for hf in (True, False)]),
+        (64, 2, (1, 2), [(bn, w, st, hf) for bn in (64, 128, 256) for w in (4, 8) for st in (1, 2)
+                         for hf in (True, False)]),
+    ):
+        n_slots = bs * ctx + 1
+        kv = [(torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype),
+               torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype)) for _ in range(n_layers)]
+        r2t = (torch.arange(bs * ctx, device="cuda") + 1).view(bs, ctx)  # fresh allocations are consecutive
+        rows = torch.arange(bs, device="cuda")
+        seq = torch.full((bs,), ctx, device="cuda")
+        q = torch.randn(bs, H, D, device="cuda", dtype=dtype)
+        o = torch.empty_like(q)
+        nbytes = 2 * bs * ctx * Hkv * D * q.element_size()
+        for splits in splits_list:
+            mid_o = torch.empty(bs, H, splits, D, device="cuda", dtype=torch.float32)
+            mid_lse = torch.empty(bs, H, splits, device="cuda", dtype=torch.float32)
+            for c in configs:
+                try:
+                    fns = [(lambda k=k, v=v: da.decode_attention_fwd(q, k, v, o, r2t, rows, seq, mid_o, mid_lse,
+                                                                      splits, D**-0.5, c)) for k, v in kv]
+                    t = graph_time(fns)
+                except Exception as e:  # noqa: BLE001 - a config may not compile (shared memory)
+                    log(f"config {c} failed: {e!r}"[:200])
+                    continue
+                res.append({"bs": bs, "splits": splits, "config": list(c), "time_s": t, "Bps": nbytes / t})
+        best = sorted([r for r in res if r["bs"] == bs], key=lambda r: r["time_s"])
+        for r in best[:4] + best[-1:]:
+            log(f"attn bs={bs} splits={r['splits']} cfg={r['config']}: {r['time_s'] * 1e6:.1f} us "
+                f"{r['Bps'] / 1e12:.2f} TB/s")
+        chosen["small" if bs == 1 else "large"] = best[0]["config"]
+        del kv
+        torch.cuda.empty_cache()
+    table_ = da.MHA_CONFIG if H == Hkv else da.GQA_CONFIG
+    table_.update(chosen)
+    log(f"decode attention configs now {table_}")
+    RESULT["attn_sweep"] = {"runs": res, "chosen": chosen}
+
+
+@section("gemv_sweep")
+def bench_gemv_sweep(name: str):
+    """Single-row linears (decode at batch 1): cuBLAS vs the Triton GEMV, weights rotated past the L2."""
+    import torch.nn.functional as F
+
+    from sglang_backend.runtime.layers.attention.triton_ops.gemv import gemv
+
+    cfg = MODELS[name]["config"]
+    dtype = getattr(torch, MODELS[name]["dtype"])
+    h, i, H, Hkv, V = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
+                       cfg["num_key_value_heads"], cfg["vocab_size"])
+    D = h // H
+    shapes = {"qkv": ((H + 2 * Hkv) * D, h), "o": (h, H * D), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (V, h)}
+    configs = [(8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 3), (4, 1024, 4, 3), (16, 256, 4, 2),
+               (32, 128, 4, 3), (64, 128, 8, 3), (8, 1024, 8, 2)]
+    res = {}
+    for sname, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(3)]
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        j = [0]
+
+        def run(f):
+            def g():
+                f(ws[j[0] % 3])
+                j[0] += 1
+            return g
+
+        nbytes = n * k * x.element_size()
+        row = {"cublas": nbytes / statistics.median(cuda_time(run(lambda w: F.linear(x, w)), 30, 5))}
+        for c in configs:
+            try:
+                row[str(c)] = nbytes / statistics.median(cuda_time(run(lambda w: gemv(x, w, config=c)), 30, 5))
+            except Exception as e:  # noqa: BLE001
+                log(f"gemv {c} failed: {e!r}"[:200])
+        best = max((kk for kk in row if kk != "cublas"), key=lambda kk: row[kk])
+        log(f"gemv {sname} {n}x{k}: cublas {row['cublas'] / 1e12:.2f} TB/s; best triton {best} "
+            f"{row[best] / 1e12:.2f} TB/s")
+        res[sname] = row
+        del ws
+    RESULT["gemv_sweep"] = res
+
+
+@section("profile")
+def bench_profile(eng):
+    """Per-kernel GPU time of one eager decode step (bs 1 and 64, 1k context)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sglang_backend.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+    mr = eng.scheduler.model_runner
+    eng.flush_cache()
+    _random_kv(mr)
+    out = {}
+    for bs in (1, 64):
+        ctx = 1024
+        rows, slots, per = _alloc_requests(mr, [ctx] * bs)
+        fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, 1000, (bs,), device="cuda"),
+                          torch.full((bs,), ctx - 1, device="cuda"), torch.stack([p[-1] for p in per]),
+                          torch.tensor(rows, device="cuda"), torch.full((bs,), ctx, device="cuda"), [ctx] * bs,
+                          logits_indices=torch.arange(bs, device="cuda"))
+        gr = mr.graph_runner
+        mr.graph_runner = None
+        try:
+            for _ in range(3):
+                mr.forward(fb)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    mr.forward(fb)
+                torch.cuda.synchronize()
+        finally:
+            mr.graph_runner = gr
+        rows_out = []
+        for ev in prof.key_averages():
+            dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if dt <= 0:
+                continue
+            rows_out.append((ev.key[:90], ev.count / 5, dt / 5))
+        rows_out.sort(key=lambda r: -r[2])
+        total = sum(r[2] for r in rows_out)
+        log(f"-- eager decode bs={bs}: kernel time per step {total / 1e3:.3f} ms")
+        for k, c, t in rows_out[:14]:
+            log(f"{t / 1e3:8.3f} ms  {c:6.0f}x  {t / max(c, 1):8.1f} us  {k}")
+        out[f"bs{bs}"] = {"kernel_ms_per_step": total / 1e3, "top": rows_out[:20]}
+        _free_requests(mr, rows, slots)
+    RESULT["profile"] = out
+
+
+def apply_scheduler_patch() -> None:
+    """ABLATION ONLY: the scheduler changes proposed to the lead in the GPU issue note, applied by monkeypatch so
+    their effect is measured in the same run. They are not part of the product until applied to
+    managers/scheduler.py, schedule_policy.py and layers/sampler.py:
+
+    1. in-batch prefix dedup compares one slice (C speed) instead of a Python loop over every shared token,
+       and no longer copies ``all_ids`` per comparison (O(n^2) x prefix length before);
+    2. decode allocates the batch's KV slots in one call and writes them with one ``write_tokens`` (no
+       per-request allocator call, table write and device sync);
+    3. all-greedy batches without penalties/bias/min_new_tokens build their sampling info on the host and take
+       one argmax (no per-step host-to-device tensors, no ``int(greedy.sum())`` sync).
+    """
+    from sglang_backend.runtime.layers import sampler as smp
+    from sglang_backend.runtime.managers import schedule_policy as spol
+    from sglang_backend.runtime.managers import scheduler as sch
+    from sglang_backend.runtime.managers.schedule_batch import ScheduleBatch
+    from sglang_backend.runtime.model_executor.forward_batch import ForwardMode
+
+    def shares_uncached_prefix(req, admitted):
+        need = len(req.prefix_indices) + spol.IN_BATCH_DEDUP_MIN_TOKENS
+        if req.seq_len < need:
+            return False
+        head = (req.origin_input_ids if len(req.origin_input_ids) >= need else req.all_ids)[:need]
+        for other in admitted:
+            if other.extra_key != req.extra_key or other.seq_len < need:
+                continue
+            ids = other.origin_input_ids if len(other.origin_input_ids) >= need else other.all_ids
+            if ids[:need] == head:
+                return True
+        return False
+
+    spol.shares_uncached_prefix = shares_uncached_prefix
+    sch.shares_uncached_prefix = shares_uncached_prefix
+
+    orig_run_decode = sch.Scheduler._run_decode
+
+    def _run_decode(self):
+        if self.page_size != 1 or not hasattr(self.req_to_token_pool, "write_tokens"):
+            return orig_run_decode(self)
+        self._retract_if_needed()
+        reqs = self.running
+        if not reqs:
+            return []
+        locs = self._alloc_slots(len(reqs), -1)
+        assert locs is not None, "decode allocation failed after retraction check"
+        self.req_to_token_pool.write_tokens(torch.tensor([r.req_pool_idx for r in reqs]),
+                                            torch.tensor([r.kv_len for r in reqs]), locs)
+        logits = self._forward(ScheduleBatch(reqs, ForwardMode.DECODE, out_cache_loc=locs))
+        for req in reqs:
+            req.kv_len += 1
+        self.stats.num_decode_batches += 1
+        self.new_token_ratio = max(self.new_token_ratio - sch.NEW_TOKEN_RATIO_DECAY, sch.MIN_NEW_TOKEN_RATIO)
+        return self._sample_and_advance(list(reqs), logits, new_running=False)
+
+    sch.Scheduler._run_decode = _run_decode
+
+    orig_from = smp.SamplingBatchInfo.from_requests.__func__
+
+    def from_requests(cls, params, prompt_ids, output_ids, generators, eos_token_ids, vocab_size, device="cpu"):
+        plain = all(p.is_greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0
+                    and p.presence_penalty == 0 and len(o) >= p.min_new_tokens for p, o in zip(params, output_ids))
+        if not plain:
+            return orig_from(cls, params, prompt_ids, output_ids, generators, eos_token_ids, vocab_size, device)
+        info = orig_from(cls, params, [[] for _ in params], [[] for _ in params], generators, eos_token_ids,
+                         vocab_size, "cpu")
+        info.all_greedy = True
+        return info
+
+    smp.SamplingBatchInfo.from_requests = classmethod(from_requests)
+    orig_call = smp.Sampler.__call__
+
+    def __call__(self, logits, info):
+        if getattr(info, "all_greedy", False):
+            return torch.argmax(logits, dim=-1)
+        return orig_call(self, logits, info)
+
+    smp.Sampler.__call__ = __call__
+    RESULT["scheduler_patch"] = apply_scheduler_patch.__doc__
+
+
+def table(name: str) -> str:
+    o, hf, c = RESULT.get("ours", {}), RESULT.get("hf", {}), RESULT.get("ceilings", {})
+    rows = []
+
+    def ms(x):
+        return f"{x * 1e3:.2f} ms" if x else "-"
+
+    for bs in (1, 64):
+        d = o.get(f"decode_bs{bs}")
+        if d:
+            rows.append([f"decode step bs={bs} ctx=1k (graph)", ms(d["step_s"]), f"floor {ms(d['floor_s'])}",
+                         f"{d['ratio_to_floor']:.3f}x floor",
+                         f"eager {ms(d.get('step_eager_s'))}; synced {ms(d['step_synced_s'])}; "
+                         f"engine {ms(o.get(f'engine_decode_step_bs{bs}_s'))}; HF {ms(hf.get(f'decode_step_bs{bs}_s'))}"])
+    p = o.get("prefill_8x1024")
+    if p:
+        rows.append(["prefill 8x1024", ms(p["time_s"]), f"{p['achieved_flops'] / 1e12:.0f} TFLOP/s",
+                     f"{(p['fraction_of_matmul_rate'] or 0) * 100:.0f}% of matmul",
+                     f"matmul {(p['matmul_rate'] or 0) / 1e12:.0f} TFLOP/s"])
+    for key, label in (("shared_prefix", "shared prefix (radix on)"), ("shared_prefix_no_radix", "shared prefix (radix off)"),
+                       ("shared_prefix_patched", "shared prefix + sched patch")):
+        s = o.get(key)
+        if s:
+            hfr = hf.get("shared_prefix_req_per_s")
+            rows.append([label, f"{s['req_per_s']:.1f} req/s", f"HF bs32 {hfr:.1f} req/s" if hfr else "HF -",
+                         f"{s['req_per_s'] / hfr:.1f}x HF" if hfr else "-", f"{s['time_s']:.2f} s"])
+    for key, label in (("offline_1k_1k", "offline 1k in / 1k out"), ("offline_1k_1k_patched", "1k/1k + sched patch")):
+        f = o.get(key)
+        if f:
+            rows.append([label, f"{f['output_tok_per_s']:.0f} tok/s", f"{f['num_requests']} requests",
+                         f"{f['time_s']:.1f} s", f"retractions {f['retractions']}"])
+    for bs in (1, 64):
+        e = o.get(f"engine_decode_step_bs{bs}_s_patched")
+        if e:
+            rows.append([f"engine decode bs={bs} + sched patch", ms(e), f"unpatched {ms(o.get(f'engine_decode_step_bs{bs}_s'))}",
+                         "-", "whole engine loop per step"])
+    head = f"{name} on {RESULT.get('env', {}).get('device')}: copy {c.get('copy_bw_Bps', 0) / 1e12:.2f} TB/s"
+    return head + "\n" + format_table(["figure", "ours", "reference", "ratio", "notes"], rows)
+
+
+def main(argv=None):
+    global OUT_PATH
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama2-7b", choices=sorted(MODELS))
+    ap.add_argument("--only", default="ceilings,correctness,hf,runner,engine_decode,shared,offline,no_radix",
+                    help="comma-separated sections")
+    ap.add_argument("--hf-parts", default="decode,shared")
+    ap.add_argument("--offline-max-requests", type=int, default=64)
+    ap.add_argument("--mem-fraction-static", type=float, default=0.9)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, few steps")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.model = "tiny"
+    name = args.model
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    OUT_PATH = args.output or os.path.join(out_dir, f"gpu_{name.replace('-', '_')}.json")
+    if not torch.cuda.is_available():
+        log("bench_gpu needs a CUDA GPU")
+        return 1
+    only = set(args.only.split(","))
+    spec = MODELS[name]
+    RESULT.update({"benchmark": "gpu", "model": name, "dtype": spec["dtype"], "config": spec["config"],
+                   "env": env_info(), "argv": sys.argv[1:]})
+    try:
+        import triton
+
+        RESULT["env"]["triton"] = triton.__version__
+    except ImportError:
+        pass
+    dtype_bytes = torch.tensor([], dtype=getattr(torch, spec["dtype"])).element_size()
+    mb = model_bytes(spec["config"], dtype_bytes)
+    RESULT["model_bytes"] = mb
+    vocab = spec["config"]["vocab_size"]
+    if "ceilings" in only:
+        ceilings(spec["dtype"])
+    if "correctness" in only:
+        bench_correctness()
+    if "attn_sweep" in only:
+        bench_attn_sweep(name)
+    if "gemv_sweep" in only:
+        bench_gemv_sweep(name)
+    if "hf" in only:
+        bench_hf(name, args)
+    model_dir = make_model_dir(name)
+    if only & {"runner", "engine_decode", "shared", "offline", "profile", "sched_patch"}:
+        eng = make_engine(model_dir, spec["dtype"], mem_fraction_static=args.mem_fraction_static)
+        RESULT["engine"] = {"max_total_num_tokens": eng.scheduler.model_runner.max_total_num_tokens,
+                            "capture_bs": getattr(eng.scheduler.model_runner.graph_runner, "capture_bs", None)}
+        if "profile" in only:
+            bench_profile(eng)
+        if "runner" in only:
+            bench_runner(eng, mb, name)
+        if "engine_decode" in only:
+            bench_engine_decode(eng, vocab)
+        if "shared" in only:
+            bench_shared(eng, vocab, "shared_prefix")
+        if "offline" in only:
+            bench_offline(eng, vocab, args.offline_max_requests)
+        if "sched_patch" in only:
+            apply_scheduler_patch()
+            log("== with the proposed scheduler patch (ablation, see apply_scheduler_patch)")
+            bench_engine_decode(eng, vocab, "_patched")
+            bench_shared(eng, vocab, "shared_prefix_patched")
+            bench_offline(eng, vocab, args.offline_max_requests, "offline_1k_1k_patched")
+        close_engine(eng)
+        eng = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "no_radix" in only:
+        eng = make_engine(model_dir, spec["dtype"], mem_fraction_static=args.mem_fraction_static,
+                          disable_radix_cache=True)
+        bench_shared(eng, vocab, "shared_prefix_no_radix")
+        close_engine(eng)
+        eng = None
+    save()
+    log(table(name))
+    log(f"results: {OUT_PATH}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Correctness checks of the Triton kernels against float64 torch references on fresh random inputs.
+
+Plain functions taking ``device`` so they run on the GPU under pytest (tests/gpu/test_triton_kernels.py) and,
+for debugging without a GPU, on the CPU under ``TRITON_INTERPRET=1``. Each returns the worst relative error
+‖out − ref‖ / ‖ref‖ it saw and raises if an output is NaN or unwritten (outputs are poisoned with NaN first).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double()
+    ref = ref.double()
+    if torch.isnan(out).any():
+        raise AssertionError("NaN (or unwritten poisoned value) in the output")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def make_pool(num_slots: int, num_kv_heads: int, head_dim: int, dtype, device, gen):
+    k = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen, dtype=torch.float32).to(device, dtype)
+    v = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen, dtype=torch.float32).to(device, dtype)
+    return k, v
+
+
+def scattered_rows(seq_lens: list[int], num_slots: int, max_ctx: int, num_rows: int, device, gen, shared_prefix=0):
+    """req_to_token with each request's tokens on random distinct slots (slot 0 never used); requests may
+    share their first ``shared_prefix`` slots (a radix-cache hit). Returns (req_to_token, req_pool_indices)."""
+    bs = len(seq_lens)
+    req_to_token = torch.zeros(num_rows, max_ctx, dtype=torch.int64)
+    perm = torch.randperm(num_slots - 1, generator=gen) + 1
+    rows = torch.randperm(num_rows, generator=gen)[:bs]
+    shared = perm[:shared_prefix]
+    off = shared_prefix
+    for i, n in enumerate(seq_lens):
+        own = n - min(n, shared_prefix)
+        req_to_token[rows[i], : min(n, shared_prefix)] = shared[: min(n, shared_prefix)]
+        req_to_token[rows[i], min(n, shared_prefix) : n] = perm[off : off + own]
+        off += own
+    assert off <= num_slots - 1
+    return req_to_token.to(device), rows.to(device)
+
+
+def ref_attention(q, keys, values, q_positions, scale):
+    """q: [M, H, D], keys/values: [L, Hkv, D] (positions 0..L-1); query i sees keys <= q_positions[i]."""
+    H, Hkv = q.shape[1], keys.shape[1]
+    g = H // Hkv
+    k = keys.double().repeat_interleave(g, dim=1)  # [L, H, D]
+    v = values.double().repeat_interleave(g, dim=1)
+    s = torch.einsum("mhd,lhd->hml", q.double(), k) * scale
+    L = keys.shape[0]
+    visible = torch.arange(L, device=q.device)[None, :] <= q_positions[:, None].to(q.device)
+    s = s.masked_fill(~visible[None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hml,lhd->mhd", p, v)
+
+
+def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num_splits, seed=0):
+    from sglang_backend.runtime.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(seq_lens)
+    num_slots = sum(seq_lens) + 64
+    k_buf, v_buf = make_pool(num_slots, num_kv_heads, head_dim, dtype, device, gen)
+    max_ctx = max(seq_lens) + 8
+    req_to_token, rows = scattered_rows(seq_lens, num_slots, max_ctx, bs + 3, device, gen)
+    seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    # q as a strided view of a fused qkv buffer, as the model passes it.
+    qkv = torch.randn(bs, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q = qkv[:, : num_heads * head_dim].view(bs, num_heads, head_dim)
+    o = torch.full((bs, num_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    mid_o = torch.full((bs, num_heads, num_splits, head_dim), float("nan"), dtype=torch.float32, device=device)
+    mid_lse = torch.full((bs, num_heads, num_splits), float("nan"), dtype=torch.float32, device=device)
+    scale = head_dim ** -0.5
+    decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale)
+    worst = 0.0
+    for i, n in enumerate(seq_lens):
+        slots = req_to_token[rows[i], :n]
+        ref = ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], torch.tensor([n - 1]), scale)
+        worst = max(worst, rel_err(o[i : i + 1], ref))
+    return worst
+
+
+def check_extend(device, dtype, num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, shared_prefix=0, seed=0):
+    from sglang_backend.runtime.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    bs = len(seq_lens)
+    num_slots = sum(seq_lens) + 64
+    k_buf, v_buf = make_pool(num_slots, num_kv_heads, head_dim, dtype, device, gen)
+    req_to_token, rows = scattered_rows(seq_lens, num_slots, max(seq_lens) + 8, bs + 2, device, gen,
+                                        shared_prefix=shared_prefix)
+    T = sum(extend_lens)
+    qkv = torch.randn(T, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q = qkv[:, : num_heads * head_dim].view(T, num_heads, head_dim)
+    o = torch.full((T, num_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    starts = [sum(extend_lens[:i]) for i in range(bs)]
+    meta = torch.tensor([prefix_lens, extend_lens, starts], dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    extend_attention_fwd(q, o, k_buf, v_buf, req_to_token, rows, meta[0], meta[1], meta[2], max(extend_lens), scale)
+    worst = 0.0
+    for i in range(bs):
+        if extend_lens[i] == 0:
+            continue
+        slots = req_to_token[rows[i], : seq_lens[i]]
+        qi = q[starts[i] : starts[i] + extend_lens[i]]
+        pos = torch.arange(prefix_lens[i], seq_lens[i])
+        ref = ref_attention(qi, k_buf[slots], v_buf[slots], pos, scale)
+        worst = max(worst, rel_err(o[starts[i] : starts[i] + extend_lens[i]], ref))
+    return worst
+
+
+def check_fused_ops(device, dtype, T=37, hidden=320, inter=448, num_heads=8, num_kv_heads=2, head_dim=64, seed=0):
+    """rmsnorm / fused_add_rmsnorm / silu_and_mul / rope_and_store_kv / store_kv vs the reference modules."""
+    import torch.nn.functional as F
+
+    from sglang_backend.runtime.layers.attention.triton_ops import fused_ops
+    from sglang_backend.runtime.layers.layernorm import RMSNorm
+    from sglang_backend.runtime.layers.rotary_embedding import apply_rotary
+
+    gen = torch.Generator().manual_seed(seed)
+    errs = {}
+    x = torch.randn(T, hidden, generator=gen).to(device, dtype)
+    r = torch.randn(T, hidden, generator=gen).to(device, dtype)
+    norm = RMSNorm(hidden, 1e-5).to(device, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
+        errs["rmsnorm"] = rel_err(fused_ops.rmsnorm(x, norm.weight, 1e-5), norm(x))
+        r2 = r.clone()
+        y = fused_ops.fused_add_rmsnorm(x, r2, norm.weight, 1e-5)
+        errs["add_rmsnorm.residual"] = rel_err(r2, x + r)
+        errs["add_rmsnorm"] = rel_err(y, norm(x + r))
+        gu = torch.randn(T, 2 * inter, generator=gen).to(device, dtype)
+        g, u = gu.split(inter, dim=-1)
+        errs["silu_and_mul"] = rel_err(fused_ops.silu_and_mul(gu), F.silu(g) * u)
+
+        H, Hkv, D = num_heads, num_kv_heads, head_dim
+        qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(device, dtype)
+        positions = torch.randint(0, 500, (T,), generator=gen).to(device)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        freqs = torch.arange(512, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+        emb = torch.cat([freqs, freqs], dim=-1)[positions.cpu()].to(device)
+        cos, sin = emb.cos().double(), emb.sin().double()
+        q_ref = apply_rotary(qkv[:, : H * D].double().view(T, H, D), cos, sin).view(T, -1)
+        k_ref = apply_rotary(qkv[:, H * D : (H + Hkv) * D].double().view(T, Hkv, D), cos, sin)
+        v_ref = qkv[:, (H + Hkv) * D :].view(T, Hkv, D).clone()
+        k_buf = torch.full((T + 10, Hkv, D), float("nan"), dtype=dtype, device=device)
+        v_buf = torch.full((T + 10, Hkv, D), float("nan"), dtype=dtype, device=device)
+        loc = (torch.randperm(T + 9, generator=gen)[:T] + 1).to(device)
+        qkv2 = qkv.clone()
+        fused_ops.rope_and_store_kv(qkv2, positions, cos_sin, H, Hkv, D, loc, k_buf, v_buf)
+        errs["rope.q"] = rel_err(qkv2[:, : H * D], q_ref)
+        errs["rope.k"] = rel_err(qkv2[:, H * D : (H + Hkv) * D].reshape(T, Hkv, D), k_ref)
+        errs["rope.k_store"] = rel_err(k_buf[loc], k_ref)
+        errs["rope.v_store"] = rel_err(v_buf[loc], v_ref)
+        qkv3 = qkv.clone()
+        fused_ops.rope_and_store_kv(qkv3, positions, cos_sin, H, Hkv, D)
+        errs["rope.no_store"] = rel_err(qkv3[:, : (H + Hkv) * D], torch.cat([q_ref, k_ref.reshape(T, -1)], -1))
+        k_buf.fill_(float("nan"))
+        v_buf.fill_(float("nan"))
+        fused_ops.store_kv(qkv[:, H * D : (H + Hkv) * D], qkv[:, (H + Hkv) * D :], loc, k_buf, v_buf)
+        errs["store_kv"] = rel_err(k_buf[loc].reshape(T, -1), qkv[:, H * D : (H + Hkv) * D])
+
+        from sglang_backend.runtime.layers.attention.triton_ops.gemv import gemv
+
+        for n, kdim in ((inter + 3, hidden), (hidden, inter)):
+            w = (torch.randn(n, kdim, generator=gen) / kdim**0.5).to(device, dtype)
+            b = torch.randn(n, generator=gen).to(device, dtype)
+            xv = torch.randn(1, kdim, generator=gen).to(device, dtype)
+            ref = xv.double() @ w.double().T
+            errs[f"gemv_{n}x{kdim}"] = rel_err(gemv(xv, w), ref)
+            errs[f"gemv_bias_{n}x{kdim}"] = rel_err(gemv(xv, w, b), ref + b.double())
+    return errs
+
+
+def random_decode_case(rng: random.Random, long: bool = False):
+    bs = rng.choice([1, 3, 8, 17])
+    hi = 3000 if long else 300
+    seq_lens = [rng.randint(1, hi) for _ in range(bs)]
+    return seq_lens
+
+
+def random_extend_case(rng: random.Random, long: bool = False):
+    bs = rng.choice([1, 2, 5])
+    hi = 700 if long else 150
+    prefix = [rng.choice([0, rng.randint(1, hi)]) for _ in range(bs)]
+    extend = [rng.randint(1, hi) for _ in range(bs)]
+    return prefix, extend

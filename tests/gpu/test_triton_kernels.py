@@ -1,0 +1,63 @@
+"""Triton attention and fused-op kernels vs float64 references on fresh random inputs (GPU only)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from kernel_checks import TOL, check_decode, check_extend, check_fused_ops  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16]
+# (query heads, KV heads, head_dim): MHA, Llama-3 GQA 4, MQA, Qwen2-7B (7 per group), odd head size.
+SHAPES = [(32, 32, 128), (32, 8, 128), (8, 1, 64), (28, 4, 128), (12, 4, 80), (16, 2, 256)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_decode_attention(dtype, shape):
+    rng = random.Random(hash((str(dtype), shape)) & 0xFFFF)
+    for trial in range(3):
+        bs = rng.choice([1, 3, 9, 17])
+        seq_lens = [rng.choice([1, rng.randint(2, 200), rng.randint(200, 3000)]) for _ in range(bs)]
+        splits = rng.choice([1, 4, 7, 16, 32])
+        err = check_decode("cuda", dtype, *shape, seq_lens, splits, seed=rng.randint(0, 1 << 30))
+        assert err < TOL[dtype], (seq_lens, splits, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_extend_attention(dtype, shape):
+    rng = random.Random(hash((str(dtype), shape, "e")) & 0xFFFF)
+    for trial in range(3):
+        bs = rng.choice([1, 2, 5])
+        prefix = [rng.choice([0, rng.randint(1, 64), rng.randint(64, 1500)]) for _ in range(bs)]
+        extend = [rng.choice([1, rng.randint(2, 130), rng.randint(130, 1100)]) for _ in range(bs)]
+        err = check_extend("cuda", dtype, *shape, prefix, extend, seed=rng.randint(0, 1 << 30))
+        assert err < TOL[dtype], (prefix, extend, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extend_shared_prefix(dtype):
+    # Several requests whose prefix slots are the same radix-cache pages.
+    err = check_extend("cuda", dtype, 32, 8, 128, [700, 700, 700, 300], [64, 1, 200, 90], shared_prefix=700, seed=3)
+    assert err < TOL[dtype]
+
+
+def test_fp32_kernels_exact():
+    assert check_decode("cuda", torch.float32, 8, 2, 64, [5, 300, 1000], 8) < TOL[torch.float32]
+    assert check_extend("cuda", torch.float32, 8, 2, 64, [0, 100], [77, 33]) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_ops(dtype):
+    errs = check_fused_ops("cuda", dtype)
+    # One rounding step of the dtype (the reference rounds at the same points, up to summation order).
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2
+    bad = {k: v for k, v in errs.items() if not v < tol}
+    assert not bad, bad
