@@ -1,0 +1,417 @@
+"""The continuous-batching scheduler under pressure: retraction and eviction, chunked prefill, paging, the radix
+cache on/off, the starvation bound, in-batch prefix dedup, frontend hints (``max_new_tokens=0``) and aborts.
+
+Most tests drive a ``Scheduler`` directly (no engine thread), so every step is deterministic; a few go through
+the ``Engine``. Every scheduler made by ``make_sched`` is checked when its test ends: drained, radix-tree
+invariants hold, and the KV pool is whole (free + evictable == total, nothing locked, all request slots free).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from tests.conftest import make_engine
+
+VOCAB = 512  # dummy_config's vocabulary
+
+
+# Helpers ----------------------------------------------------------------------------------------------------------
+def rand_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def assets(tiny_gqa_dir):
+    from sglang_backend.runtime.engine import load_model_assets
+    from sglang_backend.runtime.server_args import ServerArgs
+
+    logging.getLogger("sglang_backend").setLevel(logging.WARNING)
+    return load_model_assets(ServerArgs(model_path=tiny_gqa_dir))
+
+
+def _new_scheduler(assets, **kwargs):
+    from sglang_backend.runtime.managers.scheduler import Scheduler
+    from sglang_backend.runtime.server_args import ServerArgs
+
+    model_dir, config, tokenizer = assets
+    return Scheduler(ServerArgs(model_path=model_dir, **kwargs), config, model_dir, tokenizer)
+
+
+def _check_idle_and_whole(sched) -> None:
+    assert not sched.has_work(), "scheduler still has work"
+    sched.tree_cache.check_invariants()
+    sched.check_pool_whole()
+
+
+@pytest.fixture
+def make_sched(assets):
+    """make_sched(**server_args) -> Scheduler on the tiny model; each one is checked whole after the test."""
+    made = []
+
+    def make(**kwargs):
+        sched = _new_scheduler(assets, **kwargs)
+        made.append(sched)
+        return sched
+
+    yield make
+    for sched in made:
+        _check_idle_and_whole(sched)
+
+
+def new_req(sched, rid: str, ids: list[int], **params):
+    from sglang_backend.runtime.managers.schedule_batch import Req
+    from sglang_backend.runtime.sampling_params import SamplingParams
+
+    sp = SamplingParams.from_dict({"temperature": 0, **params})
+    sp.normalize(sched.tokenizer)
+    return Req(rid, ids, sp)
+
+
+def drain(sched, max_steps: int = 20000) -> int:
+    """Steps until idle; returns the number of steps."""
+    n = 0
+    while sched.has_work():
+        sched.step()
+        n += 1
+        assert n <= max_steps, "scheduler did not drain"
+    return n
+
+
+def run_workload(sched, workload) -> list[list[int]]:
+    """Submits every (ids, params) at once, runs to idle, returns the output ids in submission order."""
+    reqs = [new_req(sched, f"r{i}", ids, **params) for i, (ids, params) in enumerate(workload)]
+    for r in reqs:
+        sched.add_request(r)
+    drain(sched)
+    for r in reqs:
+        assert r.finished() and r.finished_reason["type"] == "length", (r, r.finished_reason)
+        assert len(r.output_ids) == r.sampling_params.max_new_tokens
+    return [r.output_ids for r in reqs]
+
+
+# Memory pressure: a workload that needs ~5x the pool -------------------------------------------------------------
+def pressure_workload(seed: int = 0) -> list[tuple[list[int], dict]]:
+    """8 requests over 3 shared 12-token prefixes, prompts 20-28 tokens, 24-40 greedy output tokens (long
+    outputs: admission reserves only new_token_ratio (0.7) of them, so decode runs out and must retract)."""
+    rng = random.Random(seed)
+    prefixes = [rand_ids(rng, 12) for _ in range(3)]
+    return [(prefixes[i % 3] + rand_ids(rng, rng.randint(8, 16)),
+             {"max_new_tokens": rng.randint(24, 40), "ignore_eos": True}) for i in range(8)]
+
+
+WORKLOAD = pressure_workload()
+DEMAND = sum(len(ids) + p["max_new_tokens"] for ids, p in WORKLOAD)  # KV tokens if nothing were shared
+SMALL_POOL = DEMAND // 5 // 4 * 4  # a multiple of 4 so page_size=4 can use it too
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(assets):
+    """Greedy outputs with a large pool and default settings (no pressure, no chunking)."""
+    sched = _new_scheduler(assets, max_total_tokens=4096)
+    outs = run_workload(sched, WORKLOAD)
+    _check_idle_and_whole(sched)
+    assert sched.get_stats()["num_retractions"] == 0
+    return outs
+
+
+def test_memory_pressure_completes_with_identical_outputs(make_sched, reference_outputs):
+    assert DEMAND >= 4.5 * SMALL_POOL
+    assert max(len(ids) + p["max_new_tokens"] for ids, p in WORKLOAD) < SMALL_POOL
+    sched = make_sched(max_total_tokens=SMALL_POOL)
+    assert run_workload(sched, WORKLOAD) == reference_outputs
+    stats = sched.get_stats()
+    assert stats["num_finished"] == len(WORKLOAD) and stats["num_aborted"] == 0
+    assert stats["num_retractions"] > 0, stats
+    assert stats["num_evicted_tokens"] > 0, stats
+
+
+@pytest.mark.parametrize("variant", [
+    dict(chunked_prefill_size=16),
+    dict(disable_radix_cache=True),
+    dict(page_size=4),
+    dict(page_size=4, chunked_prefill_size=16),
+], ids=["chunked16", "radix-off", "page4", "page4-chunked16"])
+def test_outputs_identical_across_variants_under_pressure(make_sched, reference_outputs, variant):
+    """Chunked prefill on vs off, radix cache on vs off, page_size 4 vs 1: same greedy tokens, with the
+    small pool (so the variant also goes through retraction)."""
+    sched = make_sched(max_total_tokens=SMALL_POOL, **variant)
+    extends = record_extend_batches(sched)
+    assert run_workload(sched, WORKLOAD) == reference_outputs
+    stats = sched.get_stats()
+    assert stats["num_retractions"] > 0, stats
+    check_variant_really_applied(sched, variant, extends)
+
+
+def record_extend_batches(sched) -> list[tuple[int, bool]]:
+    """Wraps the scheduler's extend step: records (tokens computed, any prompt split) per prefill batch."""
+    seen: list[tuple[int, bool]] = []
+    run_extend = sched._run_extend
+
+    def wrapped(batch):
+        seen.append((sum(batch.extend_lens), any(r.is_chunked for r in batch.reqs)))
+        return run_extend(batch)
+
+    sched._run_extend = wrapped
+    return seen
+
+
+def check_variant_really_applied(sched, variant, extends, expect_hits: bool = True) -> None:
+    stats = sched.get_stats()
+    if variant.get("disable_radix_cache"):
+        assert stats["num_cached_tokens"] == 0 and stats["evictable_tokens"] == 0
+    elif expect_hits:  # resumed (retracted) requests and later admissions reuse cached prefixes
+        assert stats["num_cached_tokens"] > 0
+    if "chunked_prefill_size" in variant:
+        assert max(n for n, _ in extends) <= variant["chunked_prefill_size"]
+        assert any(split for _, split in extends), "no prompt was split into chunks"
+
+
+@pytest.mark.parametrize("variant", [
+    dict(chunked_prefill_size=16),
+    dict(disable_radix_cache=True),
+    dict(page_size=4),
+    dict(disable_radix_cache=True, chunked_prefill_size=8),
+], ids=["chunked16", "radix-off", "page4", "radix-off-chunked8"])
+def test_outputs_identical_across_variants_unpressured(make_sched, reference_outputs, variant):
+    sched = make_sched(max_total_tokens=4096, **variant)
+    extends = record_extend_batches(sched)
+    assert run_workload(sched, WORKLOAD) == reference_outputs
+    assert sched.get_stats()["num_retractions"] == 0
+    # Everything is admitted in the first batch unless chunking splits it: hits only with chunking.
+    check_variant_really_applied(sched, variant, extends, expect_hits="chunked_prefill_size" in variant)
+
+
+# Starvation bound -------------------------------------------------------------------------------------------------
+def rounds_until_low_match_finishes(make_sched, starvation_limit: int, stream_len: int) -> int:
+    """LPM, one request per prefill round. A low-match request waits while every round a new request arrives
+    that shares a long cached prefix (so LPM always prefers it). Returns the rounds until it finishes."""
+    rng = random.Random(7)
+    sched = make_sched(schedule_policy="lpm", max_running_requests=1, starvation_limit=starvation_limit,
+                       max_total_tokens=2048)
+    hot = rand_ids(rng, 96)
+    sched.add_request(new_req(sched, "warm", hot + rand_ids(rng, 8), max_new_tokens=1))
+    drain(sched)
+    low = new_req(sched, "low", rand_ids(rng, 40), max_new_tokens=1)
+    sched.add_request(low)
+    rounds = sent = 0
+    while not low.finished():
+        if sent < stream_len:
+            sched.add_request(new_req(sched, f"hot{sent}", hot + rand_ids(rng, 8), max_new_tokens=1))
+            sent += 1
+        sched.step()
+        rounds += 1
+        assert rounds <= stream_len + starvation_limit + 10
+    drain(sched)
+    # The stream really did hit the cache.
+    assert sched.get_stats()["num_cached_tokens"] >= 96 * min(sent, rounds - 1)
+    return rounds
+
+
+def test_starvation_bound_under_lpm(make_sched):
+    limit, stream = 8, 40
+    with_aging = rounds_until_low_match_finishes(make_sched, limit, stream)
+    assert with_aging <= limit + 2, with_aging
+    # Without aging, the low-match request waits as long as the stream of high-match requests lasts.
+    without_aging = rounds_until_low_match_finishes(make_sched, 10**9, stream)
+    assert without_aging >= stream + 1, without_aging
+    assert without_aging > 3 * with_aging
+
+
+def test_starved_request_goes_first_among_several(make_sched):
+    """Two low-match requests and a steady high-match stream, two slots: both low ones finish within the bound."""
+    rng = random.Random(3)
+    limit = 5
+    sched = make_sched(schedule_policy="lpm", max_running_requests=2, starvation_limit=limit,
+                       max_total_tokens=2048)
+    hot = rand_ids(rng, 64)
+    sched.add_request(new_req(sched, "warm", hot + rand_ids(rng, 4), max_new_tokens=1))
+    drain(sched)
+    lows = [new_req(sched, f"low{i}", rand_ids(rng, 30), max_new_tokens=3) for i in range(2)]
+    for r in lows:
+        sched.add_request(r)
+    prefill_rounds = 0
+    for i in range(60):
+        for j in range(2):
+            sched.add_request(new_req(sched, f"hot{i}.{j}", hot + rand_ids(rng, 6), max_new_tokens=3))
+        before = sched.stats.num_prefill_batches
+        sched.step()
+        prefill_rounds += sched.stats.num_prefill_batches - before
+        if all(r.finished() for r in lows):
+            break
+    assert all(r.finished() for r in lows)
+    assert prefill_rounds <= limit + 3, prefill_rounds
+    drain(sched)
+
+
+# In-batch prefix dedup --------------------------------------------------------------------------------------------
+def shared_uncached_workload(n: int = 4, prefix_len: int = 128, suffix_len: int = 16):
+    rng = random.Random(11)
+    prefix = rand_ids(rng, prefix_len)
+    return [(prefix + rand_ids(rng, suffix_len), {"max_new_tokens": 1}) for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
+def test_in_batch_prefix_dedup_computes_shared_prefix_once(make_sched, policy):
+    work = shared_uncached_workload()
+    on = make_sched(schedule_policy=policy, enable_in_batch_prefix_dedup=True, max_total_tokens=2048)
+    off = make_sched(schedule_policy=policy, enable_in_batch_prefix_dedup=False, max_total_tokens=2048)
+    outs_on, outs_off = run_workload(on, work), run_workload(off, work)
+    assert outs_on == outs_off
+    s_on, s_off = on.get_stats(), off.get_stats()
+    # Off: all four in one batch, each computing the 128-token prefix: 4 * 144 tokens, nothing cached.
+    assert s_off["num_forward_tokens"] == 4 * 144 and s_off["num_cached_tokens"] == 0
+    assert s_off["num_prefill_batches"] == 1
+    # On: one request computes the prefix, the other three are held back one round and hit it.
+    assert s_on["num_forward_tokens"] == 144 + 3 * 16, s_on
+    assert s_on["num_cached_tokens"] == 3 * 128
+    assert s_on["num_prefill_batches"] == 2, s_on
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs", "random"])
+def test_in_batch_dedup_does_not_hold_back_cached_prefixes(make_sched, policy):
+    """A prefix that is already cached is not being computed by anyone: requests sharing it go in one batch."""
+    work = shared_uncached_workload()
+    sched = make_sched(schedule_policy=policy, enable_in_batch_prefix_dedup=True, max_total_tokens=2048)
+    sched.add_request(new_req(sched, "warm", work[0][0][:128] + [5, 6, 7], max_new_tokens=1))
+    drain(sched)
+    before = sched.get_stats()
+    run_workload(sched, work)
+    after = sched.get_stats()
+    assert after["num_cached_tokens"] - before["num_cached_tokens"] == 4 * 128
+    assert after["num_prefill_batches"] - before["num_prefill_batches"] == 1, (
+        "requests whose shared prefix is already cached were held back by in-batch dedup")
+
+
+# Frontend hint: max_new_tokens=0 ------------------------------------------------------------------------------------
+def test_prefill_only_hint_caches_prefix(tiny_gqa_dir):
+    rng = random.Random(5)
+    prefix = rand_ids(rng, 100)
+    engine = make_engine(tiny_gqa_dir)
+    try:
+        hint = engine.generate(input_ids=prefix, sampling_params={"max_new_tokens": 0})
+        assert hint["output_ids"] == [] and hint["text"] == ""
+        assert hint["meta_info"]["completion_tokens"] == 0
+        assert hint["meta_info"]["finish_reason"]["type"] == "length"
+        branches = engine.generate(input_ids=[prefix + rand_ids(rng, 12) for _ in range(3)],
+                                   sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert all(b["meta_info"]["cached_tokens"] >= len(prefix) for b in branches)
+        stats = engine.get_stats()
+        assert stats["num_cached_tokens"] >= 3 * len(prefix)
+        engine.check_pool_whole()
+    finally:
+        engine.shutdown()
+
+
+def test_prefill_only_hint_on_scheduler(make_sched):
+    """The hint finishes in its prefill step with no output and leaves the prompt in the tree."""
+    rng = random.Random(6)
+    sched = make_sched(max_total_tokens=1024)
+    prefix = rand_ids(rng, 64)
+    hint = new_req(sched, "hint", prefix, max_new_tokens=0)
+    sched.add_request(hint)
+    assert sched.step() == [hint]
+    assert hint.finished() and hint.output_ids == [] and not sched.has_work()
+    assert sched.get_stats()["evictable_tokens"] == len(prefix)
+    follow = new_req(sched, "follow", prefix + rand_ids(rng, 5), max_new_tokens=2)
+    sched.add_request(follow)
+    drain(sched)
+    assert follow.cached_tokens == len(prefix)
+
+
+# Abort ------------------------------------------------------------------------------------------------------------
+def test_abort_waiting_and_running_frees_kv(make_sched):
+    rng = random.Random(8)
+    sched = make_sched(max_running_requests=2, max_total_tokens=1024)
+    shared = rand_ids(rng, 20)
+    reqs = [new_req(sched, f"r{i}", shared + rand_ids(rng, 10), max_new_tokens=30, ignore_eos=True)
+            for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    sched.step()  # prefill r0, r1
+    sched.step()  # one decode step
+    assert [r.rid for r in sched.running] == ["r0", "r1"]
+    assert sched.abort_request("nope") is None
+    running = sched.abort_request("r0")
+    waiting = sched.abort_request("r3")
+    assert running is reqs[0] and waiting is reqs[3]
+    for r in (running, waiting):
+        assert r.finished() and r.finished_reason["type"] == "abort"
+        assert r.req_pool_idx is None
+    assert sched.tree_cache.protected_size() > 0  # r1 still runs on its locked prefix
+    drain(sched)
+    assert len(reqs[1].output_ids) == len(reqs[2].output_ids) == 30
+    assert len(reqs[0].output_ids) == 2 and reqs[3].output_ids == []
+    assert sched.get_stats()["num_aborted"] == 2
+
+
+def test_abort_everything_midway_leaves_pool_whole(make_sched):
+    rng = random.Random(9)
+    sched = make_sched(max_running_requests=3, max_total_tokens=512)
+    reqs = [new_req(sched, f"r{i}", rand_ids(rng, 30), max_new_tokens=50, ignore_eos=True) for i in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(5):
+        sched.step()
+    for r in reqs:
+        assert sched.abort_request(r.rid) is r
+    assert not sched.has_work()
+    _check_idle_and_whole(sched)
+
+
+def test_abort_chunked_prefill_frees_kv(make_sched):
+    rng = random.Random(10)
+    sched = make_sched(chunked_prefill_size=16, max_total_tokens=1024)
+    req = new_req(sched, "long", rand_ids(rng, 100), max_new_tokens=5)
+    other = new_req(sched, "other", rand_ids(rng, 10), max_new_tokens=5)
+    sched.add_request(req)
+    sched.add_request(other)
+    sched.step()
+    assert sched.chunked_req is req and 0 < req.kv_len < 100
+    assert sched.abort_request("long") is req
+    assert sched.chunked_req is None and req.finished_reason["type"] == "abort"
+    drain(sched)
+    assert other.finished() and len(other.output_ids) == 5
+
+
+def test_abort_after_retraction(make_sched):
+    """A request retracted under memory pressure (back in the waiting queue) can be aborted too."""
+    sched = make_sched(max_total_tokens=SMALL_POOL)
+    reqs = [new_req(sched, f"r{i}", ids, **p) for i, (ids, p) in enumerate(WORKLOAD)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(5000):
+        sched.step()
+        retracted = [r for r in sched.waiting_queue if r.num_retractions > 0]
+        if retracted:
+            break
+    assert retracted, "no retraction happened"
+    victim = retracted[0]
+    assert sched.abort_request(victim.rid) is victim
+    drain(sched)
+    assert all(r.finished() for r in reqs)
+    assert victim.finished_reason["type"] == "abort"
+
+
+def test_engine_abort_streaming_request(tiny_gqa_dir):
+    rng = random.Random(12)
+    engine = make_engine(tiny_gqa_dir)
+    try:
+        it = engine.generate(input_ids=rand_ids(rng, 20), rid="victim", stream=True,
+                             sampling_params={"max_new_tokens": 400, "ignore_eos": True, "temperature": 0})
+        first = next(it)
+        assert first["meta_info"]["finish_reason"] is None
+        engine.abort_request("victim")
+        last = first
+        for chunk in it:
+            last = chunk
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert last["meta_info"]["completion_tokens"] < 400
+        # The engine still serves requests afterwards.
+        out = engine.generate(input_ids=rand_ids(rng, 10), sampling_params={"max_new_tokens": 3})
+        assert len(out["output_ids"]) <= 3
+        engine.check_pool_whole()
+    finally:
+        engine.shutdown()
