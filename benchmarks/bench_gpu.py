@@ -23,8 +23,8 @@ Model: dummy (random) weights at Llama-2-7B shape in fp16 (``--model llama2-7b``
 Sections (``--only``, run in this order): ceilings, correctness (kernel errors vs float64 on fresh random
 inputs), attn_sweep (decode-attention launch configs; the fastest become the run's defaults), gemv_sweep
 (cuBLAS vs Triton GEMV at batch 1), hf, profile (per-kernel time of an eager decode step), runner,
-engine_decode, shared, offline, sched_patch (ablation: the scheduler changes proposed for the lead, applied
-by monkeypatch, then engine_decode/shared/offline again), no_radix.
+engine_decode, shared, offline, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
+have since landed in the scheduler; its result is kept in results/gpu_llama2_7b_sched_patch.json.)
 
 Writes ``$OUT/gpu_<model>.json`` when $OUT is set, else ``benchmarks/results/gpu_<model>.json``.
 """
@@ -647,86 +647,6 @@ def bench_profile(eng):
     RESULT["profile"] = out
 
 
-def apply_scheduler_patch() -> None:
-    """ABLATION ONLY: the scheduler changes proposed to the lead in the GPU issue note, applied by monkeypatch so
-    their effect is measured in the same run. They are not part of the product until applied to
-    managers/scheduler.py, schedule_policy.py and layers/sampler.py:
-
-    1. in-batch prefix dedup compares one slice (C speed) instead of a Python loop over every shared token,
-       and no longer copies ``all_ids`` per comparison (O(n^2) x prefix length before);
-    2. decode allocates the batch's KV slots in one call and writes them with one ``write_tokens`` (no
-       per-request allocator call, table write and device sync);
-    3. all-greedy batches without penalties/bias/min_new_tokens build their sampling info on the host and take
-       one argmax (no per-step host-to-device tensors, no ``int(greedy.sum())`` sync).
-    """
-    from sglang_backend.runtime.layers import sampler as smp
-    from sglang_backend.runtime.managers import schedule_policy as spol
-    from sglang_backend.runtime.managers import scheduler as sch
-    from sglang_backend.runtime.managers.schedule_batch import ScheduleBatch
-    from sglang_backend.runtime.model_executor.forward_batch import ForwardMode
-
-    def shares_uncached_prefix(req, admitted):
-        need = len(req.prefix_indices) + spol.IN_BATCH_DEDUP_MIN_TOKENS
-        if req.seq_len < need:
-            return False
-        head = (req.origin_input_ids if len(req.origin_input_ids) >= need else req.all_ids)[:need]
-        for other in admitted:
-            if other.extra_key != req.extra_key or other.seq_len < need:
-                continue
-            ids = other.origin_input_ids if len(other.origin_input_ids) >= need else other.all_ids
-            if ids[:need] == head:
-                return True
-        return False
-
-    spol.shares_uncached_prefix = shares_uncached_prefix
-    sch.shares_uncached_prefix = shares_uncached_prefix
-
-    orig_run_decode = sch.Scheduler._run_decode
-
-    def _run_decode(self):
-        if self.page_size != 1 or not hasattr(self.req_to_token_pool, "write_tokens"):
-            return orig_run_decode(self)
-        self._retract_if_needed()
-        reqs = self.running
-        if not reqs:
-            return []
-        locs = self._alloc_slots(len(reqs), -1)
-        assert locs is not None, "decode allocation failed after retraction check"
-        self.req_to_token_pool.write_tokens(torch.tensor([r.req_pool_idx for r in reqs]),
-                                            torch.tensor([r.kv_len for r in reqs]), locs)
-        logits = self._forward(ScheduleBatch(reqs, ForwardMode.DECODE, out_cache_loc=locs))
-        for req in reqs:
-            req.kv_len += 1
-        self.stats.num_decode_batches += 1
-        self.new_token_ratio = max(self.new_token_ratio - sch.NEW_TOKEN_RATIO_DECAY, sch.MIN_NEW_TOKEN_RATIO)
-        return self._sample_and_advance(list(reqs), logits, new_running=False)
-
-    sch.Scheduler._run_decode = _run_decode
-
-    orig_from = smp.SamplingBatchInfo.from_requests.__func__
-
-    def from_requests(cls, params, prompt_ids, output_ids, generators, eos_token_ids, vocab_size, device="cpu"):
-        plain = all(p.is_greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0
-                    and p.presence_penalty == 0 and len(o) >= p.min_new_tokens for p, o in zip(params, output_ids))
-        if not plain:
-            return orig_from(cls, params, prompt_ids, output_ids, generators, eos_token_ids, vocab_size, device)
-        info = orig_from(cls, params, [[] for _ in params], [[] for _ in params], generators, eos_token_ids,
-                         vocab_size, "cpu")
-        info.all_greedy = True
-        return info
-
-    smp.SamplingBatchInfo.from_requests = classmethod(from_requests)
-    orig_call = smp.Sampler.__call__
-
-    def __call__(self, logits, info):
-        if getattr(info, "all_greedy", False):
-            return torch.argmax(logits, dim=-1)
-        return orig_call(self, logits, info)
-
-    smp.Sampler.__call__ = __call__
-    RESULT["scheduler_patch"] = apply_scheduler_patch.__doc__
-
-
 def table(name: str) -> str:
     o, hf, c = RESULT.get("ours", {}), RESULT.get("hf", {}), RESULT.get("ceilings", {})
     rows = []
@@ -812,7 +732,7 @@ def main(argv=None):
     if "hf" in only:
         bench_hf(name, args)
     model_dir = make_model_dir(name)
-    if only & {"runner", "engine_decode", "shared", "offline", "profile", "sched_patch"}:
+    if only & {"runner", "engine_decode", "shared", "offline", "profile"}:
         eng = make_engine(model_dir, spec["dtype"], mem_fraction_static=args.mem_fraction_static)
         RESULT["engine"] = {"max_total_num_tokens": eng.scheduler.model_runner.max_total_num_tokens,
                             "capture_bs": getattr(eng.scheduler.model_runner.graph_runner, "capture_bs", None)}
@@ -826,12 +746,6 @@ def main(argv=None):
             bench_shared(eng, vocab, "shared_prefix")
         if "offline" in only:
             bench_offline(eng, vocab, args.offline_max_requests)
-        if "sched_patch" in only:
-            apply_scheduler_patch()
-            log("== with the proposed scheduler patch (ablation, see apply_scheduler_patch)")
-            bench_engine_decode(eng, vocab, "_patched")
-            bench_shared(eng, vocab, "shared_prefix_patched")
-            bench_offline(eng, vocab, args.offline_max_requests, "offline_1k_1k_patched")
         close_engine(eng)
         eng = None
         gc.collect()
