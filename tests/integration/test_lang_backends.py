@@ -62,3 +62,21 @@ def test_openai_backend_chat_model(server):
     assert "Paris" in chat.run(backend=backend)["answer"]
     with pytest.raises(NotImplementedError, match="select"):
         backend.select(None, ["a"], 0.0, None)
+
+
+def test_runtime_launches_and_tears_down_a_server():
+    import requests
+
+    runtime = sgl.Runtime(log_level="warning")
+    try:
+        @sgl.function
+        def capital(s):
+            s += "The capital of France is" + sgl.gen("city", max_tokens=3, temperature=0)
+
+        assert "Paris" in capital.run(backend=runtime)["city"]
+        url = runtime.url
+    finally:
+        runtime.shutdown()
+    assert runtime.process.poll() is not None  # the server process is gone
+    with pytest.raises(requests.ConnectionError):
+        requests.get(url + "/health", timeout=2)
