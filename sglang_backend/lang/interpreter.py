@@ -13,6 +13,7 @@ import uuid
 from typing import Any, Iterator
 
 from .ir import (
+    BlockScope,
     SglCommitLazy,
     SglConstantText,
     SglExpr,
@@ -318,7 +319,7 @@ class ProgramState:
 
     def _role(self, role: str, expr=None):
         if expr is None:
-            return _RoleScope(self, role)
+            return BlockScope(self, SglRoleBegin(role), SglRoleEnd(role))
         self += SglRoleBegin(role) + _to_expr(expr) + SglRoleEnd(role)
         return None
 
@@ -332,7 +333,7 @@ class ProgramState:
         return self._role("assistant", expr)
 
     def var_scope(self, name: str):
-        return _VarScope(self, name)
+        return BlockScope(self, SglVarScopeBegin(name), SglVarScopeEnd(name))
 
     # Reading
     def __getitem__(self, name: str):
@@ -412,30 +413,6 @@ class ProgramState:
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"
-
-
-class _RoleScope:
-    def __init__(self, state: ProgramState, role: str):
-        self.state, self.role = state, role
-
-    def __enter__(self):
-        self.state += SglRoleBegin(self.role)
-        return self.state
-
-    def __exit__(self, *exc):
-        self.state += SglRoleEnd(self.role)
-
-
-class _VarScope:
-    def __init__(self, state: ProgramState, name: str):
-        self.state, self.name = state, name
-
-    def __enter__(self):
-        self.state += SglVarScopeBegin(self.name)
-        return self.state
-
-    def __exit__(self, *exc):
-        self.state += SglVarScopeEnd(self.name)
 
 
 class ProgramStateGroup:

@@ -169,6 +169,20 @@ class SglCommitLazy(SglExpr):
     """Send the text so far to the backend as a prefix hint (max_new_tokens=0)."""
 
 
+class BlockScope:
+    """``with s.user():`` and friends: appends ``begin`` on entry and ``end`` on exit."""
+
+    def __init__(self, state, begin: SglExpr, end: SglExpr):
+        self.state, self.begin, self.end = state, begin, end
+
+    def __enter__(self):
+        self.state += self.begin
+        return self.state
+
+    def __exit__(self, *exc):
+        self.state += self.end
+
+
 # Tracing placeholders --------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class SglArgument(SglExpr):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .ir import (
+    BlockScope,
     SglArgument,
     SglConstantText,
     SglExpr,
@@ -124,7 +125,7 @@ class TracerProgramState:
 
     def _role(self, role, expr=None):
         if expr is None:
-            return _TraceRole(self, role)
+            return BlockScope(self, SglRoleBegin(role), SglRoleEnd(role))
         self += SglRoleBegin(role) + _to_expr(expr) + SglRoleEnd(role)
 
     def system(self, expr=None):
@@ -141,18 +142,6 @@ class TracerProgramState:
                            "programs without data-dependent control flow")
 
     text = messages = sync = _not_while_tracing
-
-
-class _TraceRole:
-    def __init__(self, state, role):
-        self.state, self.role = state, role
-
-    def __enter__(self):
-        self.state += SglRoleBegin(self.role)
-        return self.state
-
-    def __exit__(self, *exc):
-        self.state += SglRoleEnd(self.role)
 
 
 class TracerStateGroup:

@@ -163,7 +163,7 @@ class Engine:
             prompts = prompt if is_batch else [prompt]
             if not all(isinstance(p, str) for p in prompts):
                 raise ValueError("prompt must be a string or a list of strings")
-            ids_list = [self.tokenizer.encode(p, add_special_tokens=self._add_special_tokens()) for p in prompts]
+            ids_list = [self.tokenizer.encode(p) for p in prompts]
         else:
             is_batch = bool(input_ids) and isinstance(input_ids[0], list)
             ids_list = input_ids if is_batch else [input_ids]
@@ -172,7 +172,7 @@ class Engine:
         n = len(ids_list)
 
         def per_item(value, name):
-            if isinstance(value, list) and name != "sampling_params" or (name == "sampling_params" and isinstance(value, list)):
+            if isinstance(value, list):
                 if len(value) != n:
                     raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
                 return value
@@ -212,10 +212,6 @@ class Engine:
                 self._inbox.append(("add", h.req))
             self._cond.notify_all()
         return handles, is_batch
-
-    def _add_special_tokens(self) -> bool:
-        # Chat templates already carry BOS; plain prompts get what the tokenizer adds by default.
-        return True
 
     def _post(self, kind: str, payload: Any) -> None:
         with self._cond:

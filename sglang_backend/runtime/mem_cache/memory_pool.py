@@ -1,6 +1,7 @@
 """The two-level KV memory: request slots -> token positions -> KV slots.
 
-* ``ReqToTokenPool``: one row per running request; row[i] is the KV slot of the request's i-th token.
+* ``ReqToTokenPool``: one row per running request; row[i] is the KV slot of the request's i-th token
+  (``MirroredReqToTokenPool`` on GPUs: the table stays on the host, a device copy is synced per forward).
 * ``TokenToKVPoolAllocator``: hands out KV slot indices in pages (page_size tokens each).
 * ``MHATokenToKVPool``: the K/V tensors themselves, one pair per layer, indexed by KV slot.
 
@@ -43,6 +44,53 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
+
+
+class MirroredReqToTokenPool(ReqToTokenPool):
+    """``req_to_token`` on the host (what the scheduler and the radix cache read and write: plain CPU tensor
+    ops, no device syncs), mirrored to ``device_table`` on the GPU for the attention kernels.
+
+    ``write`` updates the host table and records the span; ``sync_to_device`` (called by the model runner
+    before each forward) ships every pending span in one host-to-device copy and one scatter. Without it the
+    scheduler's per-request reads of the table (``int(req_to_token[row, pos])``) would each be a device sync.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str):
+        super().__init__(size, max_context_len, "cpu")
+        self.device = "cpu"  # where req_to_token lives (what write() converts to)
+        self.device_table = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._pending: list[tuple[int, int, int]] = []
+
+    def write(self, idx: int, start: int, locs: torch.Tensor) -> None:
+        n = len(locs)
+        if n == 0:
+            return
+        self.req_to_token[idx, start : start + n] = locs.to("cpu")
+        self._pending.append((idx, start, n))
+
+    def write_tokens(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor) -> None:
+        """One token per (row, col) pair (a decode step of a whole batch) in one host op."""
+        if len(locs) == 0:
+            return
+        self.req_to_token[rows, cols] = locs.to("cpu")
+        self._pending.extend(zip(rows.tolist(), cols.tolist(), [1] * len(locs)))
+
+    def sync_to_device(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        rows = torch.tensor([p[0] for p in pending], dtype=torch.int64)
+        starts = torch.tensor([p[1] for p in pending], dtype=torch.int64)
+        if all(p[2] == 1 for p in pending):
+            cols = starts
+        else:
+            lens = torch.tensor([p[2] for p in pending], dtype=torch.int64)
+            rows = rows.repeat_interleave(lens)
+            offsets = torch.cumsum(lens, 0) - lens
+            cols = starts.repeat_interleave(lens) + torch.arange(int(lens.sum())) - offsets.repeat_interleave(lens)
+        vals = self.req_to_token[rows, cols]
+        packed = torch.stack([rows, cols, vals]).to(self.device_table.device)
+        self.device_table[packed[0], packed[1]] = packed[2]
 
 
 class TokenToKVPoolAllocator:
