@@ -6,14 +6,15 @@ a hang.
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 import uuid
 from typing import Any, Iterator
 
+from ..utils import iterate_in_thread
 from .ir import (
     BlockScope,
+    RoleBlocks,
     SglCommitLazy,
     SglConstantText,
     SglExpr,
@@ -299,7 +300,7 @@ class StreamExecutor:
         return branches
 
 
-class ProgramState:
+class ProgramState(RoleBlocks):
     """The ``s`` a program writes to."""
 
     def __init__(self, executor: StreamExecutor):
@@ -316,21 +317,6 @@ class ProgramState:
     def fork(self, size: int = 1, position_ids_offset=None) -> "ProgramStateGroup":
         branches = self.stream_executor.fork(size, position_ids_offset)
         return ProgramStateGroup([ProgramState(b) for b in branches], self)
-
-    def _role(self, role: str, expr=None):
-        if expr is None:
-            return BlockScope(self, SglRoleBegin(role), SglRoleEnd(role))
-        self += SglRoleBegin(role) + _to_expr(expr) + SglRoleEnd(role)
-        return None
-
-    def system(self, expr=None):
-        return self._role("system", expr)
-
-    def user(self, expr=None):
-        return self._role("user", expr)
-
-    def assistant(self, expr=None):
-        return self._role("assistant", expr)
 
     def var_scope(self, name: str):
         return BlockScope(self, SglVarScopeBegin(name), SglVarScopeEnd(name))
@@ -402,14 +388,8 @@ class ProgramState:
                     raise ProgramError(f"program failed: {ex.error}") from ex.error
                 return
 
-    async def text_async_iter(self, var_name: str | None = None):
-        it = self.text_iter(var_name)
-        sentinel = object()
-        while True:
-            piece = await asyncio.to_thread(next, it, sentinel)
-            if piece is sentinel:
-                return
-            yield piece
+    def text_async_iter(self, var_name: str | None = None):
+        return iterate_in_thread(self.text_iter(var_name))
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 REGEX_INT = r"[-+]?[0-9]+"
 REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?"
@@ -181,6 +181,26 @@ class BlockScope:
 
     def __exit__(self, *exc):
         self.state += self.end
+
+
+class RoleBlocks:
+    """``s.user(...)`` appends a whole role block; ``with s.user():`` opens one. Shared by the real and
+    the tracing program state (both implement ``+=``)."""
+
+    def _role(self, role: str, expr=None):
+        if expr is None:
+            return BlockScope(self, SglRoleBegin(role), SglRoleEnd(role))
+        self += SglRoleBegin(role) + _to_expr(expr) + SglRoleEnd(role)
+        return None
+
+    def system(self, expr=None):
+        return self._role("system", expr)
+
+    def user(self, expr=None):
+        return self._role("user", expr)
+
+    def assistant(self, expr=None):
+        return self._role("assistant", expr)
 
 
 # Tracing placeholders --------------------------------------------------------------------------------------------

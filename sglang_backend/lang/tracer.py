@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .ir import (
-    BlockScope,
+    RoleBlocks,
     SglArgument,
     SglConstantText,
     SglExpr,
@@ -74,7 +74,7 @@ class TracedProgram:
         return text
 
 
-class TracerProgramState:
+class TracerProgramState(RoleBlocks):
     def __init__(self, graph: TracedProgram, branch: int = 0):
         self.graph = graph
         self.branch = branch
@@ -122,20 +122,6 @@ class TracerProgramState:
             g._last[c] = fork_node
         g.ops.append((self.branch, "fork", children))
         return TracerStateGroup([TracerProgramState(g, c) for c in children], self)
-
-    def _role(self, role, expr=None):
-        if expr is None:
-            return BlockScope(self, SglRoleBegin(role), SglRoleEnd(role))
-        self += SglRoleBegin(role) + _to_expr(expr) + SglRoleEnd(role)
-
-    def system(self, expr=None):
-        return self._role("system", expr)
-
-    def user(self, expr=None):
-        return self._role("user", expr)
-
-    def assistant(self, expr=None):
-        return self._role("assistant", expr)
 
     def _not_while_tracing(self, *_, **__):
         raise TracingError("the program reads its state (text/messages/sync) while tracing; tracing needs "

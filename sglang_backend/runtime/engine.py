@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any, Iterator
 
+from ..utils import iterate_in_thread
 from .managers.detokenizer_manager import DetokenizerState, format_logprob_pairs
 from .managers.schedule_batch import Req
 from .managers.scheduler import Scheduler
@@ -99,14 +100,8 @@ class Engine:
             return self._astream(prompt, sampling_params, input_ids, **kwargs)
         return await asyncio.to_thread(self.generate, prompt, sampling_params, input_ids, **kwargs)
 
-    async def _astream(self, prompt, sampling_params, input_ids, **kwargs):
-        it = self.generate(prompt, sampling_params, input_ids, stream=True, **kwargs)
-        sentinel = object()
-        while True:
-            chunk = await asyncio.to_thread(next, it, sentinel)
-            if chunk is sentinel:
-                return
-            yield chunk
+    def _astream(self, prompt, sampling_params, input_ids, **kwargs):
+        return iterate_in_thread(self.generate(prompt, sampling_params, input_ids, stream=True, **kwargs))
 
     def abort_request(self, rid: str) -> None:
         self._post("abort", rid)

@@ -78,7 +78,6 @@ class TokenizerManager:
     # Start-up / shutdown ------------------------------------------------------------------------------------------
     def launch(self) -> None:
         """Starts the scheduler and detokenizer processes and waits until the model is loaded."""
-        from ..engine import load_model_assets  # noqa: F401  (import check before spawning)
         from ..model_loader.loader import load_tokenizer, resolve_model_path
         from .detokenizer_manager import run_detokenizer_process
         from .scheduler import run_scheduler_process

@@ -23,7 +23,7 @@ from .embedded import DEFAULT_MODEL_ALIASES, converted_gguf_path, default_model_
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-    from transformers import LlamaConfig, PretrainedConfig
+    from transformers import PretrainedConfig
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
