@@ -38,6 +38,7 @@ class ServerArgs:
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Scales reserved decode growth"})
     starvation_limit: int = field(default=64, metadata={"help": "A request passed over this many scheduling rounds is admitted first (aging)"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "No prefix reuse (ablation)"})
+    table_cache: bool = field(default=False, metadata={"help": "Ablation (no tree): an exact-match table cache that reuses a cached sequence only whole, never part of one"})
     disable_jump_forward: bool = field(default=False, metadata={"help": "Decode grammar-forced text token by token (ablation)"})
     enable_in_batch_prefix_dedup: bool = field(default=True, metadata={"help": "Hold back requests whose shared prefix is being computed"})
 
@@ -65,6 +66,8 @@ class ServerArgs:
             raise ValueError("page_size must be >= 1")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.table_cache and (self.disable_radix_cache or self.page_size != 1):
+            raise ValueError("table_cache needs the cache on (no disable_radix_cache) and page_size 1")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":

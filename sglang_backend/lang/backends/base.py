@@ -97,7 +97,8 @@ class NativeAPIBackend(BaseBackend):
         choices_method = choices_method or token_length_normalized
         prefix_ids = self.tokenize(s.text_)
         # Prefill the shared prefix once; every choice then extends it from the cache.
-        self.cache_prefix(s.text_)
+        if self.fork_hints:
+            self.cache_prefix(s.text_)
         # Score from two tokens before the end of the prefix: the prefix's last token may fuse with the
         # choice's first characters (token healing), and then it belongs to the choice.
         start = max(len(prefix_ids) - 2, 0)

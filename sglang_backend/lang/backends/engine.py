@@ -10,7 +10,8 @@ _ENGINE_ARGS = ("text", "input_ids", "sampling_params", "return_logprob", "logpr
 
 
 class EngineBackend(NativeAPIBackend):
-    def __init__(self, engine=None, chat_template: str | None = None, **engine_kwargs):
+    def __init__(self, engine=None, chat_template: str | None = None, fork_hints: bool = True, **engine_kwargs):
+        self.fork_hints = fork_hints  # False: no prefix hints before forks, selects and run_batch (ablation)
         if engine is None:
             from ...runtime.engine import Engine
 

@@ -17,7 +17,9 @@ from .base import NativeAPIBackend
 
 
 class RuntimeEndpoint(NativeAPIBackend):
-    def __init__(self, base_url: str, api_key: str | None = None, chat_template: str | None = None, timeout: float = 600):
+    def __init__(self, base_url: str, api_key: str | None = None, chat_template: str | None = None, timeout: float = 600,
+                 fork_hints: bool = True):
+        self.fork_hints = fork_hints  # False: no prefix hints before forks, selects and run_batch (ablation)
         self.base_url = base_url.rstrip("/")
         self.session = requests.Session()
         if api_key:

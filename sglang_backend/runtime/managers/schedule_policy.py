@@ -107,25 +107,43 @@ def shares_uncached_prefix(req: Req, admitted: list[Req]) -> bool:
     return False
 
 
-def optimal_hit_rate(requests: list[tuple[object, list[int]]]) -> float:
+_DECODED = object()  # trie mark: this prefix's last token was produced by decoding, not by a prompt
+
+
+def optimal_hit_rate(requests: list[tuple]) -> float:
     """The best possible prompt-cache hit rate for a set of (namespace, prompt ids) with a cache that holds
     everything (Theorem 3.1): each token of the request tree is computed once. One refinement for a real
     engine: a request always computes at least its last token (its logits are sampled), so every exact
-    duplicate of an earlier prompt still costs one token."""
-    total = sum(len(ids) for _, ids in requests)
+    duplicate of an earlier prompt still costs one token.
+
+    An entry may carry a third item, the request's output ids. Decoding computes the KV of every generated
+    token but the last, so a later prompt that contains them (chat history, a DSL program's next call) can
+    hit those tokens without any prefill: they cost nothing."""
+    total = sum(len(r[1]) for r in requests)
     if total == 0:
         return 0.0
+    decoded: dict = {}
+    for ns, ids, *out in requests:
+        if out and len(out[0]) > 1:
+            node = decoded.setdefault(("ns", ns), {})
+            for i, t in enumerate([*ids, *out[0][:-1]]):
+                node = node.setdefault(t, {})
+                if i >= len(ids):
+                    node[_DECODED] = True
     trie: dict = {}
     computed = 0
     # Lexicographic order puts every prompt before its extensions, the order that needs the fewest tokens.
-    for ns, ids in sorted(requests, key=lambda r: (repr(r[0]), list(r[1]))):
+    for ns, ids, *_ in sorted(requests, key=lambda r: (repr(r[0]), list(r[1]))):
         node = trie.setdefault(("ns", ns), {})
+        dnode = decoded.get(("ns", ns))
         new_tokens = 0
         for t in ids:
+            dnode = dnode.get(t) if dnode is not None else None
             nxt = node.get(t)
             if nxt is None:
                 nxt = node[t] = {}
-                new_tokens += 1
+                if dnode is None or _DECODED not in dnode:
+                    new_tokens += 1
             node = nxt
         computed += max(new_tokens, 1 if ids else 0)
     return 1.0 - computed / total

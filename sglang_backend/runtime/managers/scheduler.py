@@ -73,6 +73,10 @@ class Scheduler:
             from ..mem_cache.chunk_cache import ChunkCache
 
             self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+        elif server_args.table_cache:
+            from ..mem_cache.table_cache import TableCache
+
+            self.tree_cache = TableCache(self.req_to_token_pool, self.allocator)
         else:
             from ..mem_cache.radix_cache import RadixCache
 
@@ -89,6 +93,7 @@ class Scheduler:
         self.just_aborted: list[Req] = []  # ended by the scheduler itself; reported with the next step
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
+        self.request_log: list[Req] | None = None  # benchmarks set a list to record every request added
 
     @staticmethod
     def _eos_ids(config, tokenizer) -> set[int]:
@@ -117,6 +122,8 @@ class Scheduler:
         return self._grammar_cache
 
     def add_request(self, req: Req) -> None:
+        if self.request_log is not None:
+            self.request_log.append(req)
         spec = req.grammar_spec()
         if spec is None:
             self.waiting_queue.append(req)
