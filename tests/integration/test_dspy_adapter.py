@@ -1,4 +1,4 @@
-"""SGLangLM (adapters/dspy) end to end with real dspy, on the in-process engine and on the server fixture."""
+"""SGLangLM (adapters/dspy) end to end with real dspy 3.4, on the in-process engine and on the server fixture."""
 import importlib.util
 import os
 import sys
@@ -6,9 +6,6 @@ from typing import Literal
 
 import pytest
 
-# Work in progress (issue 9): ReAct fails (JSONAdapter's json_object fallback is constrained to a bare
-# {"type": "object"}), and the RAG/Evaluate, typed-output, n=5, error and hit-rate cases have not been run yet.
-pytestmark = pytest.mark.skip(reason="DSPy adapter is work in progress (issue 9); see the module comment")
 dspy = pytest.importorskip("dspy")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "adapters", "dspy"))
@@ -20,67 +17,83 @@ spec = importlib.util.spec_from_file_location("rag_run", os.path.join(REPO, "exa
 rag_run = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rag_run)
 
-dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
 MAXTOK = 24
+BOUNDS = dict(max_string_length=40, max_items=3)
+
+
+@pytest.fixture(autouse=True)
+def _no_dspy_cache():
+    """Every call reaches the runtime (DSPy's response cache would answer repeats itself)."""
+    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
+    yield
 
 
 @pytest.fixture(scope="module")
 def engine_lm():
-    return SGLangLM(max_tokens=MAXTOK, max_string_length=40, max_items=3, engine_kwargs={"log_level": "warning"})
+    lm = SGLangLM(max_tokens=MAXTOK, engine_kwargs={"log_level": "warning"}, **BOUNDS)
+    yield lm
+    lm.runtime.check_pool_whole()
 
 
 @pytest.fixture(params=["engine", "server"])
 def lm(request, engine_lm):
     if request.param == "engine":
-        base = engine_lm
+        yield engine_lm.copy()
+        engine_lm.runtime.check_pool_whole()
     else:
         srv = request.getfixturevalue("server")
-        base = SGLangLM(base_url=srv.url, api_key=srv.api_key, max_tokens=MAXTOK, max_string_length=40, max_items=3)
-    return base.copy()
+        yield SGLangLM(base_url=srv.url, api_key=srv.api_key, max_tokens=MAXTOK, **BOUNDS)
 
 
-def _ctx(lm):
-    return dspy.context(lm=lm, adapter=dspy.JSONAdapter())
-
-
-def test_predict_cot_and_history_usage(lm):
-    with _ctx(lm):
-        r = dspy.Predict("question -> answer")(question="What is the capital of France?")
-        assert isinstance(r.answer, str)
-        r = dspy.ChainOfThought("question -> answer")(question="2+2?")
-        assert isinstance(r.reasoning, str) and isinstance(r.answer, str)
+def test_predict_and_cot_with_both_adapters(lm):
+    for adapter in (dspy.ChatAdapter(), dspy.JSONAdapter()):
+        with dspy.context(lm=lm, adapter=adapter):
+            r = dspy.Predict("question -> answer")(question="What is the capital of France?")
+            assert isinstance(r.answer, str) and r.answer
+            r = dspy.ChainOfThought("question -> answer: int")(question="What is 2+2?")
+            assert isinstance(r.reasoning, str) and isinstance(r.answer, int)
     u = lm.history[-1]["usage"]
-    assert u["prompt_tokens"] > 0 and "cached_tokens" in u["prompt_tokens_details"]
+    assert u["prompt_tokens"] > 0 and u["completion_tokens"] > 0
+    assert "cached_tokens" in u["prompt_tokens_details"]  # the runtime's cache-read tokens reach DSPy's history
 
 
 def test_react_with_local_tool(lm):
+    """ReAct's tool arguments are an open dict[str, Any] (DSPy sends only json_object): the adapter constrains
+    them to the chosen tool's declared arguments, so every step's call is valid."""
     calls = []
 
-    def lookup(word: str) -> str:
-        """Returns the length of a word."""
+    def word_length(word: str) -> str:
+        """Returns the number of letters in a word."""
         calls.append(word)
         return str(len(word))
 
-    with _ctx(lm.copy(max_tokens=48)):
-        r = dspy.ReAct("question -> answer", tools=[lookup], max_iters=2)(question="How long is 'banana'?")
-    assert isinstance(r.answer, str) and "trajectory" in r
+    for adapter in (dspy.JSONAdapter(), dspy.ChatAdapter()):
+        with dspy.context(lm=lm.copy(max_tokens=48), adapter=adapter):
+            r = dspy.ReAct("question -> answer", tools=[word_length], max_iters=2)(
+                question="Use word_length: how many letters are in 'banana'?")
+        assert isinstance(r.answer, str)
+        steps = [k for k in r.trajectory if k.startswith("tool_name_")]
+        assert steps and all(r.trajectory[k] in ("word_length", "finish") for k in steps)
+        assert not any("Execution error" in str(v) for v in r.trajectory.values()), r.trajectory
+    assert all(isinstance(w, str) for w in calls)
 
 
 def test_rag_module_batch_and_evaluate(lm):
     rag = rag_run.RAG(rag_run.BM25(rag_run.load_corpus()))
-    qs = rag_run.QUESTIONS
-    exs = [dspy.Example(question=q, answer="x").with_inputs("question") for q in qs]
-    with _ctx(lm):
+    exs = [dspy.Example(question=q, answer="").with_inputs("question") for q in rag_run.QUESTIONS]
+    with dspy.context(lm=lm, adapter=dspy.JSONAdapter()):
         outs = rag.batch(exs, num_threads=4)
-        assert len(outs) == len(qs) and all(isinstance(o.answer, str) for o in outs)
-        ev = dspy.Evaluate(devset=exs, metric=lambda e, p, trace=None: isinstance(p.answer, str), num_threads=8,
-                           display_progress=False)
+        assert len(outs) == len(exs) and all(isinstance(o.answer, str) and o.answer for o in outs)
+        ev = dspy.Evaluate(devset=exs, metric=lambda e, p, trace=None: isinstance(p.answer, str) and bool(p.answer),
+                           num_threads=8, display_progress=False)
         res = ev(rag)
-    assert float(getattr(res, "score", res)) == 100.0
+    assert float(res.score) == 100.0
+    # The passages are in the prompts: the retriever really ran.
+    assert any("RadixAttention" in m["content"] for e in lm.history for m in e["messages"])
 
 
 class Typed(dspy.Signature):
-    """Answer about the number."""
+    """Describe the number."""
     number: int = dspy.InputField()
     doubled: int = dspy.OutputField()
     is_even: bool = dspy.OutputField()
@@ -88,59 +101,85 @@ class Typed(dspy.Signature):
     digits: list[int] = dspy.OutputField()
 
 
-def test_structured_output_parses_20(lm):
-    p = dspy.Predict(Typed)
-    with _ctx(lm.copy(max_tokens=40)):
-        outs = p.batch([dspy.Example(number=i).with_inputs("number") for i in range(20)], num_threads=8,
-                       return_failed_examples=False)
-    assert len(outs) == 20
-    for o in outs:
-        assert isinstance(o.doubled, int) and isinstance(o.is_even, bool) and o.size in ("small", "large")
-        assert isinstance(o.digits, list) and all(isinstance(d, int) for d in o.digits)
+def _typed_failures(lm) -> int:
+    with dspy.context(lm=lm.copy(max_tokens=40), adapter=dspy.JSONAdapter()):
+        outs = dspy.Predict(Typed).batch([dspy.Example(number=i).with_inputs("number") for i in range(20)],
+                                         num_threads=8, max_errors=100, provide_traceback=False)
+    ok = [o for o in outs if o is not None and isinstance(getattr(o, "doubled", None), int)
+          and isinstance(o.is_even, bool) and o.size in ("small", "large")
+          and isinstance(o.digits, list) and all(isinstance(d, int) for d in o.digits)]
+    return 20 - len(ok)
 
 
-def test_n5_is_one_shared_prefix(lm):
+def test_structured_output_parses_20(engine_lm):
+    on = _typed_failures(engine_lm)
+    off = _typed_failures(engine_lm.copy(constrain=False))
+    print(f"typed signature x20: parse failures constraints on={on} off={off}")
+    assert on == 0
+
+
+def test_n5_is_one_fork(lm):
+    """n=5 reaches the runtime as one fork: the prompt is prefilled once, every branch reads it from cache."""
     lm = lm.copy(max_tokens=8, temperature=0.8)
-    outs = lm("Tell me a colour: " + "blue green red " * 20, n=5)
+    prompt = "Name a colour. " + "blue green red yellow " * 20
+    before = lm.get_stats()
+    outs = lm(prompt, n=5)
+    after = lm.get_stats()
     assert len(outs) == 5
-    u = lm.history[-1]["usage"]
-    assert u["prompt_tokens_details"]["cached_tokens"] >= u["prompt_tokens"] - 2, u
-    for c in u.get("branch_cached_tokens", []):
-        assert c >= u["prompt_tokens"] - 2
+    u = lm.history[-1]["usage"]  # DSPy sums the 5 candidates' usage
+    assert u["prompt_tokens"] % 5 == 0
+    p = u["prompt_tokens"] // 5
+    assert u["prompt_tokens_details"]["cached_tokens"] >= 5 * (p - 2), u
+    computed = (after["num_prompt_tokens"] - before["num_prompt_tokens"]) - (
+        after["num_cached_tokens"] - before["num_cached_tokens"])
+    assert computed <= p + 5 * 2, (computed, p)  # one prefill of the prompt (+ each branch's last token)
 
 
 def test_context_window_error_logprobs_and_state(lm):
     with pytest.raises(dspy.ContextWindowExceededError):
         lm("word " * 9000)
     out = lm("Say hi", logprobs=True, max_tokens=4)
-    assert out[0]["logprobs"]["content"] and "logprob" in out[0]["logprobs"]["content"][0]
+    lps = out[0]["logprobs"]["content"]
+    assert lps and all(isinstance(t["logprob"], float) and t["logprob"] <= 0 for t in lps)
     state = lm.dump_state()
-    assert "api_key" not in state
+    assert "api_key" not in state and state["max_tokens"] == MAXTOK
     lm2 = SGLangLM.load_state(state, api_key=lm.api_key)
-    assert lm2.model == lm.model and lm2.kwargs["max_tokens"] == lm.kwargs["max_tokens"]
+    assert lm2.model == lm.model and lm2.kwargs["max_tokens"] == MAXTOK
+    assert lm2("Say hi", max_tokens=2)
 
 
 def _fewshot_run(lm, hints: bool):
-    lm = lm.copy(max_tokens=6)
-    lm.prefix_hints = hints
+    lm = lm.copy(max_tokens=4, prefix_hints=hints)
     lm.flush_cache()
-    demos = [dspy.Example(question=f"What is {a} plus {a}? Explain carefully.", answer=str(2 * a)) for a in (3, 5, 7, 9)]
+    demos = [dspy.Example(question=f"What is {a} plus {a}? Think about it and explain.", answer=str(2 * a))
+             for a in (3, 5, 7, 9)]
     p = dspy.Predict("question -> answer")
     p.demos = demos
+    before = lm.get_stats()
     with dspy.context(lm=lm, adapter=dspy.ChatAdapter()):
         p.batch([dspy.Example(question=f"What is {i} plus {i}?").with_inputs("question") for i in range(32)],
-                num_threads=8, return_failed_examples=True)
+                num_threads=8, max_errors=100, provide_traceback=False)
+    after = lm.get_stats()
     entries = lm.history[-32:]
-    return entries, hit_rate_from_history(entries)
+    total = sum(e["usage"]["prompt_tokens"] for e in entries)
+    # All prefill work the runtime did for this request set (hints included) vs the set's prompt tokens.
+    computed = (after["num_prompt_tokens"] - before["num_prompt_tokens"]) - (
+        after["num_cached_tokens"] - before["num_cached_tokens"])
+    return entries, 1 - computed / total, hit_rate_from_history(entries)
 
 
-def test_fewshot_reuse_hits_optimal(engine_lm):
-    lm = engine_lm
-    plain_entries, plain = _fewshot_run(lm, hints=False)
-    entries, hinted = _fewshot_run(lm, hints=True)
-    tok = lm.engine.tokenizer
-    reqs = [(None, tok.encode(lm.engine.apply_chat_template(e["messages"]), add_special_tokens=False)) for e in entries]
+def test_fewshot_reuse_near_optimal_and_hints_help(engine_lm):
+    plain_entries, plain, plain_req = _fewshot_run(engine_lm, hints=False)
+    entries, hinted, hinted_req = _fewshot_run(engine_lm, hints=True)
+    tok = engine_lm.runtime.tokenizer
+    reqs = [(None, tok.encode(engine_lm.runtime.apply_chat_template(e["messages"]), add_special_tokens=False))
+            for e in entries]
+    assert [len(ids) for _, ids in reqs] == [e["usage"]["prompt_tokens"] for e in entries]
     opt = optimal_hit_rate(reqs)
-    print(f"few-shot x32: optimal={opt:.3f} hinted={hinted:.3f} plain={plain:.3f}")
+    print(f"4-demo few-shot x32: optimal={opt:.4f} hinted={hinted:.4f} plain={plain:.4f} "
+          f"(request-level: hinted={hinted_req:.4f} plain={plain_req:.4f})")
     assert hinted >= 0.9 * opt
-    assert hinted > plain
+    # The runtime's in-batch prefix dedup already brings concurrent plain calls close to the optimum; what the
+    # hints add is that every call, the first ones included, reads the demos from the cache.
+    assert hinted_req > plain_req
+    assert all(e["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for e in entries)

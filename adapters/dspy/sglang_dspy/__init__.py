@@ -1,16 +1,13 @@
 """DSPy adapter for sglang_backend: ``dspy.configure(lm=SGLangLM())``.
 
-``SGLangLM`` is a ``dspy.BaseLM`` that compiles DSPy calls into the runtime's primitives:
-
-* the messages every call of a predictor shares (system instructions + few-shot demos) are sent first as a
-  prefix hint (``max_new_tokens=0``), once per distinct prefix, so the radix cache holds them before the
-  real calls arrive (concurrent calls wait for the one hint in flight instead of all prefilling it);
-* ``n > 1`` becomes one shared-prefix batch: the whole prompt is hinted once, then ``n`` branches decode;
-* ``response_format`` (JSONAdapter's Pydantic schema or ``json_object``) becomes a ``json_schema``
-  constraint, so the output always parses.
+``SGLangLM`` is a ``dspy.LM`` whose engine (DSPy 3.4's ``complete(Request) -> Response`` contract, with an
+async twin) runs on the in-process Engine or on an ``sglang-backend serve`` server, and compiles DSPy calls
+into the runtime's primitives: prefix hints for the system message + demos every call of a predictor
+shares, ``n > 1`` as one fork of the prompt, and structured outputs / ChatAdapter sections as decoding
+constraints (see ``lm.py`` and ``constraints.py``).
 """
 
-from .lm import SGLangLM, hit_rate_from_history
+from .lm import AsyncSGLangEngine, SGLangEngine, SGLangLM, hit_rate_from_history
 
-__all__ = ["SGLangLM", "hit_rate_from_history"]
+__all__ = ["SGLangLM", "SGLangEngine", "AsyncSGLangEngine", "hit_rate_from_history"]
 __version__ = "0.1.0"

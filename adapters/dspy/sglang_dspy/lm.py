@@ -1,41 +1,57 @@
-"""SGLangLM: a dspy.BaseLM over the in-process Engine or an sglang_backend HTTP server.
+"""SGLangLM: a ``dspy.LM`` whose engine is sglang_backend (in-process Engine or our HTTP server).
 
-DSPy 3.4 runs a BaseLM subclass through ``forward``/``aforward`` (the 3.4 "legacy" contract, wrapped by
-``dspy.clients.engines.legacy_engine.LegacyEngine``): DSPy passes the rendered OpenAI-style ``messages``
-and the per-call kwargs, and expects an OpenAI-shaped chat completion back. That contract is the one that
-still hands the LM ``n`` (canonical lm15 engines get one candidate per call, which would rule out the
-shared-prefix ``n`` batch), so it is the one used here. DSPy does not cache custom BaseLM subclasses'
-calls (``cache`` is accepted and kept in the state for API compatibility).
+DSPy 3.4's engine contract: ``dspy.LM(model, engine=E, async_engine=A)`` where ``E.complete(Request) ->
+Response`` and ``await A.complete(Request) -> Response``. DSPy keeps caching, retries, history, usage
+tracking and callbacks; the engine runs one attempt. On that contract this module compiles each DSPy call
+into the runtime's primitives:
+
+* prefix hints: the system message + few-shot demos that every call of a predictor shares are sent once
+  (``max_new_tokens=0``) before the calls that need them, so the radix cache holds them;
+* ``n > 1``: DSPy asks a canonical engine for one candidate per ``complete`` call. ``SGLangLM.__call__``
+  records ``n`` for the call, and the first ``complete`` runs all ``n`` as one fork (the prompt prefilled
+  once, ``n`` branches decoding from it); the following ``complete`` calls of that DSPy call take the
+  remaining branches;
+* structured output: ``response_format`` schemas, JSONAdapter's field list (where DSPy only says
+  ``json_object``) and ChatAdapter's ``[[ ## field ## ]]`` sections become JSON-schema / regex constraints
+  (see constraints.py), so the output parses.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
+import contextvars
 import hashlib
 import json
 import threading
-import time
 import uuid
-import warnings
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
-from dspy.clients.base_lm import BaseLM
-from dspy.utils.exceptions import ContextWindowExceededError
+import dspy
+from dspy.lm15 import (
+    ContextLengthError,
+    InvalidRequestError,
+    Message,
+    Response,
+    ServerError,
+    TextPart,
+    TokenLogprob,
+    TopLogprob,
+    UnsupportedFeatureError,
+    Usage,
+    response_to_events,
+)
 
-# DSPy 3.4 warns once per call site that forward()-based LMs are deprecated for 3.5; the adapter is that
-# plugin on purpose (see the module docstring), so the user should not see the warning for it.
-warnings.filterwarnings("ignore", message=r".*forward\(\).*", category=DeprecationWarning, module=r"dspy\..*")
-warnings.filterwarnings("ignore", message=r".*[Ll]egacy.*", category=DeprecationWarning)
-warnings.filterwarnings("ignore", message=r".*OpenAI-style messages.*", category=DeprecationWarning)
+from .constraints import constraint_for
 
 _ENGINES: dict[str, Any] = {}
 _ENGINES_LOCK = threading.Lock()
 _MIN_HINT_TOKENS = 8
+DEFAULT_MODEL_NAME = "sglang/smollm2-135m-instruct"
 
 
-def _shared_engine(model_path: str | None, engine_kwargs: dict) -> Any:
+def _shared_runtime(model_path: str | None, engine_kwargs: dict) -> Any:
     """One in-process Engine per (model_path, kwargs) for the whole process: copies, load_state and several
     SGLangLM objects over the same model share one scheduler and one radix cache."""
     key = json.dumps([model_path, engine_kwargs], sort_keys=True, default=str)
@@ -47,67 +63,6 @@ def _shared_engine(model_path: str | None, engine_kwargs: dict) -> Any:
             eng = Engine(model_path=model_path, **engine_kwargs)
             _ENGINES[key] = eng
         return eng
-
-
-# Schema handling -----------------------------------------------------------------------------------------------
-def response_format_to_schema(response_format: Any) -> dict | None:
-    """OpenAI/DSPy response_format -> a JSON schema dict (None for plain text)."""
-    if response_format is None:
-        return None
-    try:
-        from pydantic import BaseModel
-
-        if isinstance(response_format, type) and issubclass(response_format, BaseModel):
-            return response_format.model_json_schema()
-    except Exception:  # pragma: no cover - pydantic always present with dspy
-        pass
-    if isinstance(response_format, dict):
-        kind = response_format.get("type")
-        if kind == "json_schema":
-            js = response_format.get("json_schema") or {}
-            return js.get("schema", js) if isinstance(js, dict) else None
-        if kind == "json_object":
-            return {"type": "object"}
-        if kind in (None, "text"):
-            return None
-        if "properties" in response_format or "$defs" in response_format:
-            return response_format
-    return None
-
-
-def bound_schema(schema: Any, max_string_length: int | None, max_items: int | None) -> Any:
-    """Adds maxLength / maxItems where a schema leaves them open, so a constrained output fits max_tokens."""
-    if isinstance(schema, list):
-        return [bound_schema(s, max_string_length, max_items) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: bound_schema(v, max_string_length, max_items) for k, v in schema.items()}
-    types = out.get("type")
-    types = types if isinstance(types, list) else [types]
-    if max_string_length and "string" in types and not any(k in out for k in ("maxLength", "enum", "const", "format", "pattern")):
-        out["maxLength"] = max_string_length
-    if max_items and "array" in types and "maxItems" not in out:
-        out["maxItems"] = max_items
-    return out
-
-
-# Logprobs / usage ----------------------------------------------------------------------------------------------
-def _openai_logprobs(meta: dict) -> dict:
-    content = []
-    tops = meta.get("output_top_logprobs") or []
-    for i, item in enumerate(meta.get("output_token_logprobs") or []):
-        lp, tid, text = (list(item) + [None, None, None])[:3]
-        entry = {"token": text if text is not None else str(tid), "logprob": lp, "bytes": None, "top_logprobs": []}
-        if i < len(tops) and tops[i]:
-            entry["top_logprobs"] = [{"token": t[2] if len(t) > 2 and t[2] is not None else str(t[1]),
-                                      "logprob": t[0], "bytes": None} for t in tops[i]]
-        content.append(entry)
-    return {"content": content}
-
-
-def _usage(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}, "cache_read_input_tokens": cached}
 
 
 def hit_rate_from_history(history: list[dict]) -> float:
@@ -125,7 +80,18 @@ def _is_context_error(message: str) -> bool:
     return "context length" in m or "context window" in m or ("exceeds" in m and "token" in m) or "kv cache holds" in m
 
 
-# Hint bookkeeping ----------------------------------------------------------------------------------------------
+# One DSPy call's fork: n, and the branches not handed out yet ----------------------------------------------------
+@dataclass
+class _Fork:
+    n: int
+    request: Any = None
+    pending: list = field(default_factory=list)
+
+
+_FORK: contextvars.ContextVar[_Fork | None] = contextvars.ContextVar("sglang_dspy_fork", default=None)
+
+
+# Hint bookkeeping ------------------------------------------------------------------------------------------------
 class _HintRegistry:
     """Remembers which prefixes were hinted (LRU, bounded) and lets concurrent callers wait for the one hint
     in flight instead of each prefilling the same prefix."""
@@ -174,176 +140,178 @@ class _HintRegistry:
             self.done.clear()
 
 
-def _split_prefix(messages: list[dict]) -> list[dict]:
-    """The part of a DSPy adapter's messages that every call of the same predictor shares: everything
-    before the final user turn (system instructions + few-shot demo turns)."""
-    if len(messages) < 2:
-        return []
-    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=len(messages) - 1)
+def _key(obj: Any) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _shared_prefix(messages: list[dict]) -> list[dict]:
+    """What every call of one predictor shares: everything before the final user turn (system instructions
+    + few-shot demo turns)."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=0)
     return messages[:last_user]
 
 
-def _plain_messages(messages: list[dict]) -> list[dict]:
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
-        out.append({"role": m.get("role", "user"), "content": content if content is not None else ""})
-    return out
+# Backends: one generation = n branches of one prompt, as plain dicts ------------------------------------------------
+@dataclass
+class _Branch:
+    text: str
+    finish: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: tuple | None = None
 
 
-# Backends ------------------------------------------------------------------------------------------------------
 class _EngineBackend:
-    def __init__(self, engine):
-        self.engine = engine
-        self.tok = engine.tokenizer
+    """The in-process Engine: the prompt is rendered and tokenized here, so hints are exact token prefixes."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.tok = runtime.tokenizer
         self.hints = _HintRegistry()
 
     def _ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.runtime.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return self.tok.encode(text, add_special_tokens=False)
 
-    def context_len(self) -> int:
-        return int(self.engine.context_len)
+    def _hint(self, ids: list[int]) -> None:
+        self.hints.run_once(_key(ids), lambda: self.runtime.generate(input_ids=list(ids),
+                                                                     sampling_params={"max_new_tokens": 0}))
 
-    def hint_ids(self, ids: list[int]) -> None:
-        self.engine.generate(input_ids=list(ids), sampling_params={"max_new_tokens": 0})
-
-    def complete(self, lm: "SGLangLM", messages, sp: dict, n: int, logprobs: bool, top: int, prefix_hints: bool):
+    def generate(self, messages: list[dict], sp: dict, n: int, top_logprobs: int | None, hints: bool) -> list[_Branch]:
         ids = self._ids(messages, True)
         want = sp.get("max_new_tokens") or 0
-        if len(ids) + want > self.context_len():
-            raise ContextWindowExceededError(model=lm.model, message=(
-                f"the prompt ({len(ids)} tokens) plus max_tokens ({want}) exceeds the context length "
-                f"({self.context_len()})"))
-        hinted_prefix = 0
-        if prefix_hints:
-            prefix = _split_prefix(messages)
+        ctx = int(self.runtime.context_len)
+        if len(ids) + want > ctx:
+            raise ContextLengthError(f"the prompt ({len(ids)} tokens) plus max_tokens ({want}) exceeds the context "
+                                     f"length ({ctx})", provider="sglang")
+        hinted = 0
+        if hints:
+            prefix = _shared_prefix(messages)
             if prefix:
                 p_ids = self._ids(prefix, False)
-                common = 0
-                for a, b in zip(p_ids, ids):
-                    if a != b:
-                        break
-                    common += 1
-                if common >= _MIN_HINT_TOKENS and common < len(ids):
-                    key = hashlib.sha1(json.dumps(ids[:common]).encode()).hexdigest()
-                    self.hints.run_once(key, lambda: self.hint_ids(ids[:common]))
-                    hinted_prefix = common
-            if n > 1:  # fork: the whole prompt once, then n branches that all hit it
-                key = hashlib.sha1(json.dumps(ids).encode()).hexdigest()
-                self.hints.run_once(key, lambda: self.hint_ids(ids))
+                common = next((i for i, (a, b) in enumerate(zip(p_ids, ids)) if a != b), min(len(p_ids), len(ids)))
+                if _MIN_HINT_TOKENS <= common < len(ids):
+                    self._hint(ids[:common])
+                    hinted = common
+        if n > 1:  # the fork: the whole prompt once, then n branches that all start from it
+            self.runtime.generate(input_ids=list(ids), sampling_params={"max_new_tokens": 0})
+        want_lp = top_logprobs is not None
+        kw = dict(return_logprob=want_lp, top_logprobs_num=top_logprobs or 0, return_text_in_logprobs=True)
         try:
             if n > 1:
-                outs = self.engine.generate(input_ids=[ids] * n, sampling_params=[dict(sp) for _ in range(n)],
-                                            return_logprob=logprobs, top_logprobs_num=top if logprobs else 0,
-                                            return_text_in_logprobs=True)
+                outs = self.runtime.generate(input_ids=[list(ids)] * n, sampling_params=[dict(sp) for _ in range(n)],
+                                             **kw)
             else:
-                outs = [self.engine.generate(input_ids=ids, sampling_params=sp, return_logprob=logprobs,
-                                             top_logprobs_num=top if logprobs else 0, return_text_in_logprobs=True)]
+                outs = [self.runtime.generate(input_ids=ids, sampling_params=sp, **kw)]
         except ValueError as e:
             if _is_context_error(str(e)):
-                raise ContextWindowExceededError(model=lm.model, message=str(e)) from e
-            raise
-        choices = []
-        for i, out in enumerate(outs):
+                raise ContextLengthError(str(e), provider="sglang") from e
+            raise InvalidRequestError(str(e), provider="sglang") from e
+        if hinted and outs[0]["meta_info"].get("cached_tokens", 0) < hinted // 2:
+            self.hints.forget(_key(ids[:hinted]))  # evicted or flushed since: hint again next time
+        branches = []
+        for out in outs:
             meta = out["meta_info"]
             fr = meta.get("finish_reason")
             fr = fr.get("type") if isinstance(fr, dict) else fr
-            choices.append({"index": i, "message": {"role": "assistant", "content": out["text"]},
-                            "finish_reason": "length" if fr == "length" else "stop",
-                            "logprobs": _openai_logprobs(meta) if logprobs else None})
-        if hinted_prefix and outs and outs[0]["meta_info"].get("cached_tokens", 0) < hinted_prefix // 2:
-            # The prefix was evicted (or the cache flushed) since it was hinted: hint again next time.
-            self.hints.forget(hashlib.sha1(json.dumps(ids[:hinted_prefix]).encode()).hexdigest())
-        # OpenAI's convention (and our server's): the prompt is counted once for n choices.
-        usage = _usage(outs[0]["meta_info"]["prompt_tokens"], sum(o["meta_info"]["completion_tokens"] for o in outs),
-                       outs[0]["meta_info"].get("cached_tokens", 0))
-        usage["branch_cached_tokens"] = [o["meta_info"].get("cached_tokens", 0) for o in outs]
-        return choices, usage
+            lps = None
+            if want_lp:
+                tops = meta.get("output_top_logprobs") or []
+                lps = tuple(TokenLogprob(token=str(t if t is not None else tid), logprob=float(lp), token_id=tid,
+                                         top=tuple(TopLogprob(token=str(x[2] if x[2] is not None else x[1]),
+                                                              logprob=float(x[0]), token_id=x[1])
+                                                   for x in (tops[i] if i < len(tops) and tops[i] else ())))
+                            for i, (lp, tid, t) in enumerate(meta.get("output_token_logprobs") or []))
+            branches.append(_Branch(out["text"], "length" if fr == "length" else "stop", meta["prompt_tokens"],
+                                    meta["completion_tokens"], meta.get("cached_tokens", 0), lps))
+        return branches
 
     def stats(self) -> dict:
-        return self.engine.get_stats()
+        return self.runtime.get_stats()
 
     def flush(self) -> None:
-        self.engine.flush_cache()
+        self.runtime.flush_cache()
         self.hints.clear()
 
 
 class _HTTPBackend:
+    """Our server's OpenAI-compatible chat endpoint (the chat template is applied server-side)."""
+
     def __init__(self, base_url: str, api_key: str | None, timeout: float):
         import httpx
 
-        self.base_url = base_url.rstrip("/")
-        if self.base_url.endswith("/v1"):
-            self.base_url = self.base_url[:-3]
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, limits=limits)
         self.hints = _HintRegistry()
-        self._ctx: int | None = None
 
-    def _post(self, lm, path: str, body: dict) -> dict:
-        r = self.client.post(path, json=body)
+    def _post(self, path: str, body: dict) -> dict:
+        import httpx
+
+        try:
+            r = self.client.post(path, json=body)
+        except httpx.HTTPError as e:
+            raise ServerError(f"sglang server unreachable: {e}", provider="sglang") from e
         if r.status_code >= 400:
             try:
                 msg = r.json().get("error", {}).get("message") or r.text
             except Exception:
                 msg = r.text
             if r.status_code == 400 and _is_context_error(str(msg)):
-                raise ContextWindowExceededError(model=lm.model, message=str(msg))
-            raise RuntimeError(f"sglang server {path} -> {r.status_code}: {msg}")
+                raise ContextLengthError(str(msg), provider="sglang", status=400)
+            cls = InvalidRequestError if r.status_code < 500 else ServerError
+            raise cls(f"{path}: {msg}", provider="sglang", status=r.status_code)
         return r.json()
 
-    def context_len(self) -> int | None:
-        if self._ctx is None:
-            try:
-                info = self.client.get("/get_model_info").json()
-                self._ctx = int(info.get("context_len") or info.get("context_length") or 0) or None
-            except Exception:
-                self._ctx = None
-        return self._ctx
-
-    def _hint(self, lm, messages: list[dict]) -> None:
-        # The chat template lives on the server: a 1-token chat call over the shared messages caches their
-        # rendering (continue_final_message keeps a trailing demo answer open, as in the full prompt).
+    def _hint(self, messages: list[dict]) -> None:
+        # A 1-token call over the shared messages caches their rendering; continue_final_message keeps a
+        # trailing demo answer open, as it is in the full prompt.
         cont = messages[-1]["role"] == "assistant"
-        self._post(lm, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0,
-                                                "continue_final_message": cont})
+        self.hints.run_once(_key(["p", messages]), lambda: self._post("/v1/chat/completions", {
+            "messages": messages, "max_tokens": 1, "temperature": 0, "continue_final_message": cont}))
 
-    def complete(self, lm: "SGLangLM", messages, sp: dict, n: int, logprobs: bool, top: int, prefix_hints: bool):
-        if prefix_hints:
-            prefix = _split_prefix(messages)
+    def generate(self, messages: list[dict], sp: dict, n: int, top_logprobs: int | None, hints: bool) -> list[_Branch]:
+        if hints:
+            prefix = _shared_prefix(messages)
             if prefix and sum(len(m["content"]) for m in prefix) >= 4 * _MIN_HINT_TOKENS:
-                key = hashlib.sha1(json.dumps(prefix, sort_keys=True).encode()).hexdigest()
-                self.hints.run_once(key, lambda: self._hint(lm, prefix))
-            if n > 1:
-                key = hashlib.sha1(json.dumps(["full", messages], sort_keys=True).encode()).hexdigest()
-                self.hints.run_once(key, lambda: self._post(lm, "/v1/chat/completions", {
-                    "messages": messages, "max_tokens": 1, "temperature": 0}))
+                self._hint(prefix)
+        if n > 1:  # the fork: the whole prompt once; the server then runs one request's n branches from it
+            self._post("/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0})
         body: dict[str, Any] = {"messages": messages, "n": n}
-        if sp.get("max_new_tokens") is not None:
-            body["max_tokens"] = sp["max_new_tokens"]
-        for k in ("temperature", "top_p", "top_k", "min_p", "stop", "seed", "frequency_penalty", "presence_penalty"):
-            if sp.get(k) is not None:
-                body[k] = sp[k]
+        for ours, theirs in (("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                             ("top_k", "top_k"), ("stop", "stop"), ("seed", "seed"),
+                             ("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"),
+                             ("regex", "regex")):
+            if sp.get(ours) is not None:
+                body[theirs] = sp[ours]
         if "json_schema" in sp:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": json.loads(sp["json_schema"])}}
-        if "regex" in sp:
-            body["regex"] = sp["regex"]
-        if logprobs:
+        if top_logprobs is not None:
             body["logprobs"] = True
-            body["top_logprobs"] = top
-        resp = self._post(lm, "/v1/chat/completions", body)
+            body["top_logprobs"] = top_logprobs
+        resp = self._post("/v1/chat/completions", body)
         u = resp.get("usage") or {}
-        cached = ((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        usage = _usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0), cached)
-        choices = [{"index": c.get("index", i), "message": {"role": "assistant", "content": c["message"]["content"]},
-                    "finish_reason": c.get("finish_reason"), "logprobs": c.get("logprobs")}
-                   for i, c in enumerate(resp.get("choices", []))]
-        return choices, usage
+        prompt = u.get("prompt_tokens", 0)
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        branches = []
+        for c in resp.get("choices", []):
+            lps = None
+            if top_logprobs is not None:
+                lps = tuple(TokenLogprob(token=e["token"], logprob=float(e["logprob"]),
+                                         bytes=tuple(e["bytes"]) if e.get("bytes") is not None else None,
+                                         top=tuple(TopLogprob(token=t["token"], logprob=float(t["logprob"]))
+                                                   for t in e.get("top_logprobs") or ()))
+                            for e in (c.get("logprobs") or {}).get("content") or ())
+            text = c["message"]["content"] or ""
+            # The server counts the prompt once for n choices; each branch reports its own share of output.
+            branches.append(_Branch(text, "length" if c.get("finish_reason") == "length" else "stop", prompt,
+                                    0, cached, lps))
+        if branches:
+            branches[0].completion_tokens = u.get("completion_tokens", 0)
+        return branches
 
     def stats(self) -> dict:
         r = self.client.get("/get_stats")
@@ -355,126 +323,225 @@ class _HTTPBackend:
         self.hints.clear()
 
 
-# The LM ----------------------------------------------------------------------------------------------------------
-_PASSTHROUGH = ("top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty")
+# The engine DSPy calls -----------------------------------------------------------------------------------------
+_SUPPORTED = frozenset({"response_format", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+                        "stop", "n", "logprobs", "top_logprobs", "seed", "frequency_penalty", "presence_penalty"})
 
 
-class SGLangLM(BaseLM):
+def _text(msg: Message) -> str:
+    text = msg.text
+    if text is None:
+        if any(not isinstance(p, TextPart) for p in msg.parts):
+            kinds = sorted({p.type for p in msg.parts})
+            raise UnsupportedFeatureError(f"SGLangLM takes text messages only (got parts {kinds})",
+                                          provider="sglang")
+        text = "".join(p.text for p in msg.parts)
+    return text
+
+
+class SGLangEngine:
+    """One attempt of one DSPy call: ``complete(Request) -> Response`` (the DSPy 3.4 engine contract)."""
+
+    supports_response_schema = True
+    supports_function_calling = False
+    supports_reasoning = False
+    supported_params = _SUPPORTED
+
+    def __init__(self, backend, *, prefix_hints: bool = True, constrain: bool = True,
+                 max_string_length: int | None = None, max_items: int | None = None):
+        self.backend = backend
+        self.prefix_hints = prefix_hints
+        self.constrain = constrain
+        self.max_string_length = max_string_length
+        self.max_items = max_items
+
+    def with_options(self, **options) -> "SGLangEngine":
+        opts = dict(prefix_hints=self.prefix_hints, constrain=self.constrain,
+                    max_string_length=self.max_string_length, max_items=self.max_items)
+        opts.update(options)
+        return SGLangEngine(self.backend, **opts)
+
+    def _messages(self, request) -> list[dict]:
+        if request.tools:
+            raise UnsupportedFeatureError("SGLangLM does not do native function calling; DSPy's adapters "
+                                          "describe tools in the prompt instead", provider="sglang")
+        out = []
+        if request.system is not None:
+            system = request.system if isinstance(request.system, str) else "".join(p.text for p in request.system)
+            out.append({"role": "system", "content": system})
+        for m in request.messages:
+            role = {"developer": "system", "tool": "user"}.get(m.role, m.role)
+            out.append({"role": role, "content": _text(m)})
+        return out
+
+    def _sampling(self, request, messages: list[dict]) -> dict:
+        c = request.config
+        sp: dict[str, Any] = {}
+        if c.max_tokens is not None:
+            sp["max_new_tokens"] = c.max_tokens
+        for k in ("temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty"):
+            if getattr(c, k) is not None:
+                sp[k] = getattr(c, k)
+        if c.stop:
+            sp["stop"] = list(c.stop)
+        if self.constrain:
+            system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+            last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), None)
+            sp.update(constraint_for(system, last_user, c.response_format, self.max_string_length, self.max_items))
+        return sp
+
+    def _run(self, request, n: int) -> list[Response]:
+        messages = self._messages(request)
+        sp = self._sampling(request, messages)
+        branches = self.backend.generate(messages, sp, n, request.config.logprobs, self.prefix_hints)
+        return [Response(id=f"chatcmpl-{uuid.uuid4().hex}", model=request.model,
+                         message=Message.assistant([TextPart(b.text)]), finish_reason=b.finish,
+                         usage=Usage(input_tokens=b.prompt_tokens, output_tokens=b.completion_tokens,
+                                     cache_read_tokens=b.cached_tokens),
+                         logprobs=b.logprobs)
+                for b in branches]
+
+    def complete(self, request) -> Response:
+        fork = _FORK.get()
+        if fork is None or fork.n <= 1:
+            return self._run(request, 1)[0]
+        if fork.request is request and fork.pending:
+            return fork.pending.pop(0)
+        responses = self._run(request, fork.n)
+        fork.request, fork.pending = request, responses[1:]
+        return responses[0]
+
+    def stream(self, request):
+        return response_to_events(self.complete(request))
+
+    def close(self) -> None:
+        pass  # the runtime is shared by every SGLangLM over it
+
+
+class AsyncSGLangEngine:
+    """The async twin: the same attempt off the event loop (the runtime batches concurrent calls itself)."""
+
+    def __init__(self, sync: SGLangEngine):
+        self.sync = sync
+
+    supports_response_schema = SGLangEngine.supports_response_schema
+    supports_function_calling = SGLangEngine.supports_function_calling
+    supported_params = SGLangEngine.supported_params
+
+    async def complete(self, request) -> Response:
+        return await asyncio.to_thread(self.sync.complete, request)
+
+    async def stream(self, request):
+        for event in await asyncio.to_thread(lambda: list(self.sync.stream(request))):
+            yield event
+
+    async def aclose(self) -> None:
+        pass
+
+
+# The LM --------------------------------------------------------------------------------------------------------
+_OPTIONS = ("prefix_hints", "constrain", "max_string_length", "max_items")
+
+
+class SGLangLM(dspy.LM):
     """A DSPy LM backed by sglang_backend.
 
     ``SGLangLM()`` / ``SGLangLM(model_path=...)``: in-process Engine (``None`` = the embedded SmolLM2).
     ``SGLangLM(base_url="http://host:port", api_key=...)``: a running ``sglang-backend serve``.
-    Usual DSPy keywords: ``temperature``, ``max_tokens``, ``cache``, ``num_retries``, ``callbacks`` and any
-    default request kwargs (``top_p``, ``stop``, ``n``, ``logprobs``...).
-    Adapter options: ``prefix_hints`` (send shared prefixes first, default True), ``max_string_length`` /
-    ``max_items`` (bounds added to open string/array fields of structured-output schemas),
-    ``engine_kwargs`` (ServerArgs for the in-process engine), ``engine`` (an existing Engine to share).
+    The usual ``dspy.LM`` keywords: ``temperature``, ``max_tokens``, ``cache``, ``num_retries``,
+    ``callbacks`` and default request kwargs (``top_p``, ``stop``, ``n``, ``logprobs`` ...).
+    Adapter options: ``prefix_hints`` (send shared prefixes first, default True), ``constrain`` (structured
+    output and ChatAdapter sections as decoding constraints, default True), ``max_string_length`` /
+    ``max_items`` (bounds on open string/array fields so constrained outputs close within max_tokens),
+    ``engine_kwargs`` (ServerArgs for the in-process Engine), ``runtime`` (an existing Engine to share).
     """
 
     def __init__(self, model_path: str | None = None, base_url: str | None = None, *, api_key: str | None = None,
-                 model: str | None = None, model_type: str = "chat", temperature: float | None = 0.0,
-                 max_tokens: int | None = 256, cache: bool = False, num_retries: int = 0, callbacks=None,
-                 prefix_hints: bool = True, max_string_length: int | None = None, max_items: int | None = None,
-                 engine_kwargs: dict | None = None, engine: Any = None, timeout: float = 600.0, **kwargs):
-        if model_type != "chat":
+                 model: str | None = None, temperature: float | None = 0.0, max_tokens: int | None = 256,
+                 cache: bool = True, num_retries: int = 0, callbacks=None, prefix_hints: bool = True,
+                 constrain: bool = True, max_string_length: int | None = None, max_items: int | None = None,
+                 engine_kwargs: dict | None = None, runtime: Any = None, timeout: float = 600.0, **kwargs):
+        if kwargs.pop("model_type", "chat") != "chat":
             raise ValueError("SGLangLM supports model_type='chat' only")
         if model_path is not None and base_url is not None:
             raise ValueError("give model_path (in-process engine) or base_url (server), not both")
-        self.model_path = model_path
-        self.base_url = base_url
-        self.api_key = api_key
-        self.prefix_hints = prefix_hints
-        self.max_string_length = max_string_length
-        self.max_items = max_items
-        self.engine_kwargs = dict(engine_kwargs or {})
-        self.timeout = timeout
-        name = model or ("sglang/" + (base_url or model_path or "embedded-smollm2-135m-instruct"))
-        super().__init__(model=name, model_type=model_type, temperature=temperature, max_tokens=max_tokens,
-                         cache=cache, callbacks=callbacks, num_retries=num_retries, **kwargs)
         if base_url is not None:
-            self._backend = _HTTPBackend(base_url, api_key, timeout)
+            backend: Any = _HTTPBackend(base_url, api_key, timeout)
         else:
-            self._backend = _EngineBackend(engine if engine is not None else
-                                           _shared_engine(model_path, self.engine_kwargs))
+            backend = _EngineBackend(runtime if runtime is not None else
+                                     _shared_runtime(model_path, dict(engine_kwargs or {})))
+        engine = SGLangEngine(backend, prefix_hints=prefix_hints, constrain=constrain,
+                              max_string_length=max_string_length, max_items=max_items)
+        super().__init__(model or DEFAULT_MODEL_NAME, model_type="chat", temperature=temperature,
+                         max_tokens=max_tokens, cache=cache, callbacks=callbacks, num_retries=num_retries,
+                         engine=engine, async_engine=AsyncSGLangEngine(engine), **kwargs)
+        self._init_args = dict(model_path=model_path, base_url=base_url, timeout=timeout,
+                               engine_kwargs=dict(engine_kwargs or {}))
+        self.api_key = api_key
 
-    # Capabilities that DSPy's adapters consult --------------------------------------------------------------
+    # n > 1: one fork per DSPy call (see the module docstring) ----------------------------------------------------
+    def _fork_for(self, kwargs: dict) -> _Fork | None:
+        n = kwargs.get("n", self.kwargs.get("n")) or 1
+        return _Fork(n) if isinstance(n, int) and n > 1 else None
+
+    def __call__(self, prompt=None, *, messages=None, **kwargs):
+        token = _FORK.set(self._fork_for(kwargs))
+        try:
+            return super().__call__(prompt, messages=messages, **kwargs)
+        finally:
+            _FORK.reset(token)
+
+    async def acall(self, prompt=None, *, messages=None, **kwargs):
+        token = _FORK.set(self._fork_for(kwargs))
+        try:
+            return await super().acall(prompt, messages=messages, **kwargs)
+        finally:
+            _FORK.reset(token)
+
+    # Options and runtime helpers ----------------------------------------------------------------------------
     @property
-    def supports_response_schema(self) -> bool:
-        return True
+    def prefix_hints(self) -> bool:
+        return self._engine_spec.prefix_hints
 
     @property
-    def supports_function_calling(self) -> bool:
-        return False
+    def constrain(self) -> bool:
+        return self._engine_spec.constrain
+
+    def copy(self, **kwargs):
+        options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
+        if options:
+            engine = self._engine_spec.with_options(**options)
+            kwargs.update(engine=engine, async_engine=AsyncSGLangEngine(engine))
+        return super().copy(**kwargs)
 
     @property
-    def supported_params(self) -> set[str]:
-        return {"response_format", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "n",
-                "logprobs", "top_logprobs", "seed", "frequency_penalty", "presence_penalty", "regex", "json_schema"}
+    def backend(self):
+        return self._engine_spec.backend
 
-    # Runtime helpers ---------------------------------------------------------------------------------------------
     @property
-    def engine(self):
-        return getattr(self._backend, "engine", None)
+    def runtime(self):
+        """The in-process sglang_backend Engine (None for a server)."""
+        return getattr(self.backend, "runtime", None)
 
     def get_stats(self) -> dict:
-        return self._backend.stats()
+        return self.backend.stats()
 
     def flush_cache(self) -> None:
         """Empties the runtime's radix cache and forgets which prefixes were hinted."""
-        self._backend.flush()
+        self.backend.flush()
 
     @property
     def hints_sent(self) -> int:
-        return self._backend.hints.sent
+        return self.backend.hints.sent
 
-    # DSPy contract ----------------------------------------------------------------------------------------------
-    def _sampling(self, kw: dict) -> tuple[dict, int, bool, int]:
-        sp: dict[str, Any] = {}
-        max_tokens = kw.get("max_completion_tokens") or kw.get("max_tokens")
-        if max_tokens is not None:
-            sp["max_new_tokens"] = int(max_tokens)
-        if kw.get("temperature") is not None:
-            sp["temperature"] = float(kw["temperature"])
-        for k in _PASSTHROUGH:
-            if kw.get(k) is not None:
-                sp[k] = kw[k]
-        stop = kw.get("stop")
-        if stop:
-            sp["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        schema = response_format_to_schema(kw.get("response_format"))
-        if kw.get("json_schema") is not None:
-            js = kw["json_schema"]
-            schema = json.loads(js) if isinstance(js, str) else js
-        if schema is not None:
-            schema = bound_schema(schema, self.max_string_length, self.max_items)
-            sp["json_schema"] = json.dumps(schema)
-        elif kw.get("regex"):
-            sp["regex"] = kw["regex"]
-        n = int(kw.get("n") or kw.get("num_generations") or 1)
-        logprobs = bool(kw.get("logprobs"))
-        top = int(kw.get("top_logprobs") or 0)
-        return sp, n, logprobs, top
-
-    def forward(self, prompt=None, messages=None, **kwargs):
-        kw = {**self.kwargs, **kwargs}
-        if kw.get("tools"):
-            raise NotImplementedError("SGLangLM does not do native function calling; use ChatAdapter/JSONAdapter "
-                                      "with use_native_function_calling=False")
-        messages = _plain_messages(messages or [{"role": "user", "content": prompt or ""}])
-        sp, n, logprobs, top = self._sampling(kw)
-        choices, usage = self._backend.complete(self, messages, sp, n, logprobs, top, self.prefix_hints)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model, "choices": choices, "usage": usage}
-
-    async def aforward(self, prompt=None, messages=None, **kwargs):
-        return await asyncio.to_thread(self.forward, prompt, messages, **kwargs)
-
-    # State ---------------------------------------------------------------------------------------------------------
+    # State (API keys are never saved) ---------------------------------------------------------------------------
     def dump_state(self) -> dict[str, Any]:
-        state = super().dump_state()
-        state.update(model_path=self.model_path, base_url=self.base_url, prefix_hints=self.prefix_hints,
-                     max_string_length=self.max_string_length, max_items=self.max_items,
-                     engine_kwargs=copy.deepcopy(self.engine_kwargs), timeout=self.timeout)
+        from dspy.clients.base_lm import LM_CLASS_STATE_KEY
+
+        keep = {k: v for k, v in self.kwargs.items() if k != "api_key"}
+        state = {LM_CLASS_STATE_KEY: f"{type(self).__module__}.{type(self).__qualname__}", "model": self.model,
+                 "cache": self.cache, "num_retries": self.num_retries, **keep, **self._init_args,
+                 **{k: getattr(self._engine_spec, k) for k in _OPTIONS}}
         state.pop("api_key", None)
         return state
 
@@ -482,5 +549,5 @@ class SGLangLM(BaseLM):
     def load_state(cls, state: dict[str, Any], *, allow_custom_lm_class: bool = False, api_key: str | None = None):
         from dspy.clients.base_lm import LM_CLASS_STATE_KEY
 
-        state = {k: v for k, v in state.items() if k != LM_CLASS_STATE_KEY}
+        state = {k: v for k, v in state.items() if k not in (LM_CLASS_STATE_KEY, "model_type")}
         return cls(api_key=api_key, **state)
