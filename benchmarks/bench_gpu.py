@@ -381,6 +381,101 @@ def bench_runner(eng, mb: dict, name: str):
     RESULT.setdefault("ours", {}).update(res)
 
 
+@section("runner_shared")
+def bench_runner_shared(eng, mb: dict):
+    """Decode step at batch 128 where every request's first 1024 KV slots are the same slots (a radix hit),
+    vs the same batch with private slots: shows whether decode attention re-reads the shared prefix from
+    HBM or from L2."""
+    from sglang_backend.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+    eng.flush_cache()
+    mr = eng.scheduler.model_runner
+    _random_kv(mr)
+    bs, prefix, unique = 128, 1024, 65
+    ctx = prefix + unique
+    res = {}
+    for shared in (True, False):
+        rows = [mr.req_to_token_pool.alloc() for _ in range(bs)]
+        n_slots = prefix + bs * unique if shared else bs * ctx
+        slots = mr.token_to_kv_pool_allocator.alloc(n_slots)
+        last = []
+        for i, r in enumerate(rows):
+            if shared:
+                own = slots[prefix + i * unique: prefix + (i + 1) * unique]
+                mr.req_to_token_pool.write(r, 0, slots[:prefix])
+                mr.req_to_token_pool.write(r, prefix, own)
+            else:
+                own = slots[i * ctx: (i + 1) * ctx]
+                mr.req_to_token_pool.write(r, 0, own)
+            last.append(own[-1])
+        fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, mr.vocab_size, (bs,), device="cuda"),
+                          torch.full((bs,), ctx - 1, device="cuda"), torch.stack(last).to("cuda"),
+                          torch.tensor(rows, device="cuda"), torch.full((bs,), ctx, device="cuda"), [ctx] * bs,
+                          logits_indices=torch.arange(bs, device="cuda"))
+        step = statistics.median(cuda_time(lambda: mr.forward(fb), 20, 3))
+        key = "shared" if shared else "private"
+        res[key] = step
+        log(f"runner decode bs={bs} ctx={ctx} {key} prefix slots: {step * 1e3:.2f} ms")
+        mr.token_to_kv_pool_allocator.free(slots)
+        for r in rows:
+            mr.req_to_token_pool.free(r)
+    bw = RESULT.get("ceilings", {}).get("copy_bw_Bps")
+    if bw:
+        res["floor_shared_s"] = (mb["weight_bytes"] + (prefix + bs * unique) * mb["kv_bytes_per_token"]) / bw
+        res["floor_private_s"] = (mb["weight_bytes"] + bs * ctx * mb["kv_bytes_per_token"]) / bw
+    eng.flush_cache()
+    RESULT.setdefault("ours", {})["runner_shared_bs128"] = res
+
+
+@section("cpu_profile")
+def bench_cpu_profile(eng, vocab: int):
+    """Where the scheduler thread's time goes in the shared-prefix workload and a short 1k-context decode:
+    cProfile around each Scheduler.step (run in the engine's loop thread), top functions by own time."""
+    import cProfile
+    import pstats
+
+    sched = eng.scheduler
+    orig = sched.step
+    prof = cProfile.Profile()
+    steps = {"n": 0, "s": 0.0}
+
+    def profiled_step():
+        t0 = time.perf_counter()
+        prof.enable()
+        try:
+            return orig()
+        finally:
+            prof.disable()
+            steps["n"] += 1
+            steps["s"] += time.perf_counter() - t0
+
+    out = {}
+    for name, prompts, new in (("shared", shared_prefix_prompts(9, vocab), 32),
+                               ("decode_bs56_ctx1k", [rand_ids(1024, torch.Generator().manual_seed(i), vocab)
+                                                      for i in range(56)], 64)):
+        eng.flush_cache()
+        prof = cProfile.Profile()
+        steps.update(n=0, s=0.0)
+        sched.step = profiled_step
+        try:
+            t = time.perf_counter()
+            eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": new, "ignore_eos": True,
+                                                             "temperature": 0})
+            t = time.perf_counter() - t
+        finally:
+            sched.step = orig
+        st = pstats.Stats(prof)
+        rows = sorted(((v[2], v[3], v[1], f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}") for k, v in st.stats.items()),
+                      reverse=True)[:25]
+        log(f"-- cpu profile {name}: {steps['n']} steps, {steps['s']:.3f} s in step(), wall {t:.3f} s")
+        for tt, ct, nc, fn in rows:
+            log(f"{tt * 1e3:9.1f} ms own {ct * 1e3:9.1f} ms cum {nc:7d}x  {fn}")
+        out[name] = {"steps": steps["n"], "step_s": steps["s"], "wall_s": t,
+                     "top_own": [[fn, tt, ct, nc] for tt, ct, nc, fn in rows]}
+    eng.flush_cache()
+    RESULT["cpu_profile"] = out
+
+
 @section("engine_decode")
 def bench_engine_decode(eng, vocab: int, suffix: str = ""):
     """Per-step time of the whole engine loop (scheduler, sampling, detokenizer state) at ~1k context."""
@@ -732,7 +827,7 @@ def main(argv=None):
     if "hf" in only:
         bench_hf(name, args)
     model_dir = make_model_dir(name)
-    if only & {"runner", "engine_decode", "shared", "offline", "profile"}:
+    if only & {"runner", "runner_shared", "engine_decode", "shared", "offline", "profile", "cpu_profile"}:
         eng = make_engine(model_dir, spec["dtype"], mem_fraction_static=args.mem_fraction_static)
         RESULT["engine"] = {"max_total_num_tokens": eng.scheduler.model_runner.max_total_num_tokens,
                             "capture_bs": getattr(eng.scheduler.model_runner.graph_runner, "capture_bs", None)}
@@ -740,8 +835,12 @@ def main(argv=None):
             bench_profile(eng)
         if "runner" in only:
             bench_runner(eng, mb, name)
+        if "runner_shared" in only:
+            bench_runner_shared(eng, mb)
         if "engine_decode" in only:
             bench_engine_decode(eng, vocab)
+        if "cpu_profile" in only:
+            bench_cpu_profile(eng, vocab)
         if "shared" in only:
             bench_shared(eng, vocab, "shared_prefix")
         if "offline" in only:

@@ -45,6 +45,8 @@ class ServerArgs:
     # Runtime
     attention_backend: str = field(default="torch_native", metadata={"help": "Attention kernels", "choices": ATTENTION_BACKENDS})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "GPU: no CUDA graphs for decode"})
+    disable_cascade_attention: bool = field(default=False, metadata={"help": "Triton decode: attend each request's whole KV, not the batch's shared prefix once"})
+    tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model over this many GPUs (or CPU processes, gloo)"})
     check_pool_on_idle: bool = field(default=False, metadata={"help": "Raise if the KV pool is not whole when idle (tests)"})
 
     # Server
@@ -52,6 +54,10 @@ class ServerArgs:
     port: int = field(default=30000, metadata={"help": "HTTP port"})
     api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY'"})
     log_level: str = field(default="info", metadata={"help": "Logging level"})
+    max_queued_requests: int = field(default=1024, metadata={"help": "Requests waiting beyond the running ones; past it new requests get 503 + Retry-After"})
+    request_timeout: float | None = field(default=None, metadata={"help": "Seconds a request may take end to end before it is aborted (504); default: no limit"})
+    max_request_body_bytes: int = field(default=8 << 20, metadata={"help": "Larger request bodies get 413"})
+    allow_local_media: bool = field(default=False, metadata={"help": "Let requests name local image/video files by path (off: base64/data URLs only)"})
 
     def __post_init__(self):
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -66,6 +72,12 @@ class ServerArgs:
             raise ValueError("page_size must be >= 1")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
+        if self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError("request_timeout must be > 0")
         if self.table_cache and (self.disable_radix_cache or self.page_size != 1):
             raise ValueError("table_cache needs the cache on (no disable_radix_cache) and page_size 1")
 

@@ -87,6 +87,41 @@ def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num
     return worst
 
 
+def check_decode_cascade(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, shared_prefix, num_splits,
+                         prefix_splits, seed=0):
+    """Cascade decode: the requests share their first ``shared_prefix`` slots; the shared length is found on
+    the device (as the backend does) and attended once for the batch."""
+    from sglang_backend.runtime.layers.attention.triton_ops.decode_attention import (
+        decode_attention_fwd, shared_prefix_len)
+
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(seq_lens)
+    num_slots = sum(seq_lens) + 64
+    k_buf, v_buf = make_pool(num_slots, num_kv_heads, head_dim, dtype, device, gen)
+    req_to_token, rows = scattered_rows(seq_lens, num_slots, max(seq_lens) + 8, bs + 3, device, gen,
+                                        shared_prefix=shared_prefix)
+    seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    prefix_len = torch.full((1,), -1, dtype=torch.int32, device=device)
+    shared_prefix_len(req_to_token, rows, min(seq_lens), torch.arange(max(seq_lens), device=device), prefix_len)
+    expect = min(shared_prefix, min(seq_lens) - 1) if bs > 1 else 0
+    assert int(prefix_len) >= expect, (int(prefix_len), expect)
+    qkv = torch.randn(bs, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q = qkv[:, : num_heads * head_dim].view(bs, num_heads, head_dim)
+    o = torch.full((bs, num_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    total = num_splits + prefix_splits
+    mid_o = torch.full((bs, num_heads, total, head_dim), float("nan"), dtype=torch.float32, device=device)
+    mid_lse = torch.full((bs, num_heads, total), float("nan"), dtype=torch.float32, device=device)
+    scale = head_dim ** -0.5
+    decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale,
+                         prefix_len=prefix_len, prefix_splits=prefix_splits)
+    worst = 0.0
+    for i, n in enumerate(seq_lens):
+        slots = req_to_token[rows[i], :n]
+        ref = ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], torch.tensor([n - 1]), scale)
+        worst = max(worst, rel_err(o[i : i + 1], ref))
+    return worst
+
+
 def check_extend(device, dtype, num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, shared_prefix=0, seed=0):
     from sglang_backend.runtime.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 

@@ -34,14 +34,21 @@ def _prompts():
     return prompts
 
 
-def _run(model_dir, dtype, **kwargs):
+def _shared_prompts():
+    """Ten requests behind one 300-token prefix: decode batches of >= 8 run in cascade mode."""
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 1000, (300,), generator=g).tolist()
+    return [shared + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 2, 3, 5, 9, 17, 33, 64, 100, 129)]
+
+
+def _run(model_dir, dtype, prompts=None, **kwargs):
     from sglang_backend import Engine
 
     eng = Engine(model_path=model_dir, device="cuda", dtype=dtype, max_total_tokens=65536, max_running_requests=16,
                  check_pool_on_idle=True, log_level="warning", **kwargs)
     sp = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     try:
-        prompts = _prompts()
+        prompts = prompts or _prompts()
         first = eng.generate(input_ids=prompts, sampling_params=sp, return_logprob=True, top_logprobs_num=2)
         first = [(r["output_ids"], r["meta_info"]["output_top_logprobs"]) for r in first]
         # Second pass: the prompts are now cached (prefix hits for every request).
@@ -86,6 +93,18 @@ def test_triton_matches_torch_native(peaked_model_dir, dtype):
     _same_greedy(ref_ids, ref_top, eager2, dtype, "triton eager, cached prefixes")
     # CUDA graphs replay the same kernels as eager: identical tokens whatever the dtype.
     assert [r[0] for r in tri] == [r[0] for r in eager] or dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_cascade_decode_matches_torch_native(peaked_model_dir, dtype):
+    prompts = _shared_prompts()
+    ref, ref2, _ = _run(peaked_model_dir, dtype, prompts, attention_backend="torch_native")
+    ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
+    for kwargs in ({}, {"disable_cuda_graph": True}, {"disable_cascade_attention": True}):
+        out, out2, stats = _run(peaked_model_dir, dtype, prompts, attention_backend="triton", **kwargs)
+        assert stats["cache_hit_rate"] > 0.5
+        _same_greedy(ref_ids, ref_top, [r[0] for r in out], dtype, f"triton {kwargs}")
+        _same_greedy(ref_ids, ref_top, out2, dtype, f"triton {kwargs}, cached prefixes")
 
 
 def _extend_logits(model_dir, dtype, fused: bool):

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from kernel_checks import TOL, check_decode, check_extend, check_fused_ops  # noqa: E402
+from kernel_checks import TOL, check_decode, check_decode_cascade, check_extend, check_fused_ops  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16]
 # (query heads, KV heads, head_dim): MHA, Llama-3 GQA 4, MQA, Qwen2-7B (7 per group), odd head size.
@@ -28,6 +28,21 @@ def test_decode_attention(dtype, shape):
         splits = rng.choice([1, 4, 7, 16, 32])
         err = check_decode("cuda", dtype, *shape, seq_lens, splits, seed=rng.randint(0, 1 << 30))
         assert err < TOL[dtype], (seq_lens, splits, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_decode_cascade(dtype, shape):
+    # A shared radix prefix (sometimes none, sometimes the whole of the shortest request) + private tails.
+    rng = random.Random(hash((str(dtype), shape, "c")) & 0xFFFF)
+    for trial in range(3):
+        bs = rng.choice([2, 8, 33, 130])
+        shared = rng.choice([0, rng.randint(1, 100), rng.randint(100, 1500)])
+        seq_lens = [shared + rng.choice([1, rng.randint(2, 100), rng.randint(100, 700)]) for _ in range(bs)]
+        splits, prefix_splits = rng.choice([1, 2, 8]), rng.choice([1, 3, 8])
+        err = check_decode_cascade("cuda", dtype, *shape, seq_lens, shared, splits, prefix_splits,
+                                   seed=rng.randint(0, 1 << 30))
+        assert err < TOL[dtype], (seq_lens[:4], shared, splits, prefix_splits, err)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -52,6 +67,7 @@ def test_extend_shared_prefix(dtype):
 def test_fp32_kernels_exact():
     assert check_decode("cuda", torch.float32, 8, 2, 64, [5, 300, 1000], 8) < TOL[torch.float32]
     assert check_extend("cuda", torch.float32, 8, 2, 64, [0, 100], [77, 33]) < TOL[torch.float32]
+    assert check_decode_cascade("cuda", torch.float32, 8, 2, 64, [300, 310, 1000], 299, 2, 4) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -106,5 +106,8 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:pbs].zero_()  # the reserved padding slot
             self.req_pool_indices[bs:pbs].zero_()
             self.seq_lens[bs:pbs].fill_(1)
+        update = getattr(self.mr.attn_backend, "update_shared_prefix", None)
+        if update is not None:  # cascade decode: the graph reads the batch's shared prefix length
+            update(self.mr.req_to_token_pool, self.req_pool_indices[:bs], fb.seq_lens_cpu, pbs)
         self.graphs[pbs].replay()
         return self.outputs[pbs][:bs]

@@ -12,11 +12,15 @@ import torch
 
 from ...models.llama import head_dim_of
 from .base import AttentionBackend
-from .triton_ops.decode_attention import decode_attention_fwd
+from .triton_ops.decode_attention import decode_attention_fwd, num_prefix_programs_per_split, shared_prefix_len
 from .triton_ops.extend_attention import extend_attention_fwd
 from .triton_ops.fused_ops import store_kv
 
 MAX_KV_SPLITS = 32
+# Cascade decode (a prefix shared by the whole batch read once per tile, not once per request) from this batch
+# size up; below it the extra launch per layer costs more than the shared reads save.
+CASCADE_MIN_BS = 8
+MAX_PREFIX_SPLITS = 8
 
 
 def device_table(req_to_token_pool) -> torch.Tensor:
@@ -31,8 +35,8 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, model_runner):
         cfg = model_runner.config
         self.device = torch.device(model_runner.device)
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.num_heads = model_runner.num_heads  # this rank's heads (tensor parallelism splits them)
+        self.num_kv_heads = model_runner.num_kv_heads
         self.head_dim = head_dim_of(cfg)
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
@@ -41,10 +45,16 @@ class TritonAttnBackend(AttentionBackend):
         max_bs = int(model_runner.server_args.max_running_requests)
         # bs * splits <= bs + target programs / heads_per_req for every bs (see num_kv_splits).
         rows = max_bs + self._target_programs() // self.heads_per_req + 1
+        self.use_cascade = not model_runner.server_args.disable_cascade_attention
+        if self.use_cascade:
+            rows += max_bs * MAX_PREFIX_SPLITS
         rows = max(rows, MAX_KV_SPLITS)
         self.mid_o = torch.empty(rows * self.num_heads * self.head_dim, dtype=torch.float32, device=self.device)
         self.mid_lse = torch.empty(rows * self.num_heads, dtype=torch.float32, device=self.device)
         self.decode_splits = 1
+        self.prefix_splits = 0  # > 0: this decode batch runs in cascade mode
+        self.prefix_len = torch.zeros(1, dtype=torch.int32, device=self.device)  # read by the kernels (graphs too)
+        self.positions = torch.arange(model_runner.req_to_token_pool.max_context_len, device=self.device)
         self.forward_metadata = None
 
     def _target_programs(self) -> int:
@@ -56,6 +66,13 @@ class TritonAttnBackend(AttentionBackend):
         progs = bs * self.heads_per_req
         return max(1, min(MAX_KV_SPLITS, -(-self._target_programs() // progs)))
 
+    def num_prefix_splits(self, bs: int) -> int:
+        """Splits of the shared prefix in cascade decode (0: no cascade at this batch size)."""
+        if not self.use_cascade or bs < CASCADE_MIN_BS:
+            return 0
+        progs = num_prefix_programs_per_split(bs, self.num_heads, self.num_kv_heads)
+        return max(1, min(MAX_PREFIX_SPLITS, -(-2 * self.num_sms // progs)))
+
     def _scratch(self, bs: int, splits: int):
         n = bs * self.num_heads * splits
         assert n * self.head_dim <= self.mid_o.numel(), "decode batch larger than max_running_requests"
@@ -63,11 +80,22 @@ class TritonAttnBackend(AttentionBackend):
         mid_lse = self.mid_lse[:n].view(bs, self.num_heads, splits)
         return mid_o, mid_lse
 
+    def _set_decode_shape(self, bs: int) -> None:
+        self.decode_splits = self.num_kv_splits(bs)
+        self.prefix_splits = self.num_prefix_splits(bs)
+        self.forward_metadata = None
+
+    def update_shared_prefix(self, req_to_token_pool, req_pool_indices, seq_lens_cpu, padded_bs: int) -> None:
+        """Cascade batches: find on the device how many leading KV slots all requests share (no host sync)."""
+        if self.num_prefix_splits(padded_bs):
+            shared_prefix_len(device_table(req_to_token_pool), req_pool_indices, min(seq_lens_cpu), self.positions,
+                              self.prefix_len)
+
     # Metadata ------------------------------------------------------------------------------------------------
     def init_forward_metadata(self, fb) -> None:
         if fb.forward_mode.is_decode():
-            self.decode_splits = self.num_kv_splits(fb.batch_size)
-            self.forward_metadata = None
+            self._set_decode_shape(fb.batch_size)
+            self.update_shared_prefix(fb.req_to_token_pool, fb.req_pool_indices, fb.seq_lens_cpu, fb.batch_size)
             return
         prefix = fb.extend_prefix_lens_cpu
         extend = fb.extend_seq_lens_cpu
@@ -79,9 +107,10 @@ class TritonAttnBackend(AttentionBackend):
         self.forward_metadata = (meta[0], meta[1], meta[2], max(extend) if extend else 0)
 
     def init_forward_metadata_capture(self, bs: int) -> None:
-        """Decode metadata for a CUDA graph of (padded) batch size bs."""
-        self.decode_splits = self.num_kv_splits(bs)
-        self.forward_metadata = None
+        """Decode metadata for a CUDA graph of (padded) batch size bs; the shared prefix length is a device
+        tensor the graph reads, refreshed before each replay (update_shared_prefix)."""
+        self._set_decode_shape(bs)
+        self.prefix_len.zero_()
 
     # Attention -----------------------------------------------------------------------------------------------
     def forward(self, q, k, v, layer, forward_batch, save_kv: bool = True):
@@ -111,11 +140,11 @@ class TritonAttnBackend(AttentionBackend):
             self._save(k, v, layer, fb)
         pool = fb.token_to_kv_pool
         bs = q.shape[0]
-        splits = self.decode_splits
-        mid_o, mid_lse = self._scratch(bs, splits)
+        splits, prefix_splits = self.decode_splits, self.prefix_splits
+        mid_o, mid_lse = self._scratch(bs, splits + prefix_splits)
         qv = q.view(bs, layer.num_heads, layer.head_dim)
         o = torch.empty((bs, layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         decode_attention_fwd(qv, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
                              device_table(fb.req_to_token_pool), fb.req_pool_indices, fb.seq_lens, mid_o, mid_lse,
-                             splits, layer.scaling)
+                             splits, layer.scaling, prefix_len=self.prefix_len, prefix_splits=prefix_splits)
         return o.view(bs, layer.num_heads * layer.head_dim)

@@ -19,6 +19,7 @@ KV head into the rows of a ``tl.dot`` so each KV tile is read once per group.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -27,12 +28,12 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_stage1_mha(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     sm_scale_log2,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HEAD_FASTEST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):
     if HEAD_FASTEST:  # programs launched together read neighbouring heads of the same tokens
         h = tl.program_id(0)
@@ -44,8 +45,11 @@ def _decode_stage1_mha(
     kvh = h // KV_GROUP
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     req = tl.load(ReqPoolIdx + b).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * split_len
+    base = 0
+    if HAS_PREFIX:  # the batch-wide shared prefix is attended by _decode_prefix_stage1
+        base = tl.load(PrefixLen).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = base + s * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -81,12 +85,13 @@ def _decode_stage1_mha(
 
 @triton.jit
 def _decode_stage1_gqa(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     sm_scale_log2,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     if HEAD_FASTEST:
         kvh = tl.program_id(0)
@@ -97,8 +102,11 @@ def _decode_stage1_gqa(
     s = tl.program_id(2)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     req = tl.load(ReqPoolIdx + b).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * split_len
+    base = 0
+    if HAS_PREFIX:  # the batch-wide shared prefix is attended by _decode_prefix_stage1
+        base = tl.load(PrefixLen).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = base + s * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -145,6 +153,73 @@ def _decode_stage1_gqa(
 
 
 @triton.jit
+def _decode_prefix_stage1(
+    Q, K, V, ReqToToken, ReqPoolIdx, PrefixLen, MidO, MidLse,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    sm_scale_log2, num_rows,
+    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_BASE: tl.constexpr, NUM_PREFIX_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Cascade decode: the first PrefixLen KV slots are the same for every request of the batch (a shared
+    radix-cache prefix), so one program reads a tile of them once and attends it with the queries of every
+    request (rows = requests x query heads of one KV head) through ``tl.dot``, instead of every request
+    re-reading the prefix. Partials go to splits SPLIT_BASE.. of the scratch, merged by stage 2."""
+    kvh = tl.program_id(0)
+    s = tl.program_id(1)
+    mb = tl.program_id(2)
+    prefix_len = tl.load(PrefixLen).to(tl.int32)
+    req = tl.load(ReqPoolIdx).to(tl.int64)  # any request's row: the prefix slots are the same in all
+    split_len = tl.cdiv(tl.cdiv(prefix_len, NUM_PREFIX_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * split_len
+    end = tl.minimum(start + split_len, prefix_len)
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_r = rows < num_rows
+    b = rows // KV_GROUP
+    h = kvh * KV_GROUP + rows % KV_GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + b[:, None] * stride_qb + h[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * sm_scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    split = SPLIT_BASE + s
+    tl.store(MidO + b[:, None] * stride_mb + h[:, None] * stride_mh + split * stride_ms + offs_d[None, :], out,
+             mask=mask_r[:, None] & mask_d[None, :])
+    tl.store(MidLse + b * stride_lb + h * stride_lh + split, lse, mask=mask_r)
+
+
+@triton.jit
 def _decode_stage2(
     MidO, MidLse, O,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -175,21 +250,42 @@ GQA_CONFIG = {"small": [64, 4, 2, True], "large": [128, 4, 2, False]}
 LARGE_BATCH = 16
 
 
+# Cascade (shared-prefix) stage 1: rows of queries per program and tokens per KV tile.
+PREFIX_BLOCK_M = 64
+PREFIX_BLOCK_N = 64
+
+
+def num_prefix_programs_per_split(bs: int, num_heads: int, num_kv_heads: int) -> int:
+    """Programs of _decode_prefix_stage1 per prefix split: KV heads x blocks of (request, query head) rows."""
+    group = num_heads // num_kv_heads
+    return num_kv_heads * triton.cdiv(bs * group, PREFIX_BLOCK_M)
+
+
 def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-                         num_splits: int, sm_scale: float, config: tuple | None = None) -> None:
-    """q, o: [bs, H, D]; k_buf, v_buf: [slots, Hkv, D]; mid_o: >= [bs, H, num_splits, D] fp32 and
-    mid_lse: >= [bs, H, num_splits] fp32 scratch (any leading layout given by their strides)."""
+                         num_splits: int, sm_scale: float, config: tuple | None = None,
+                         prefix_len=None, prefix_splits: int = 0) -> None:
+    """q, o: [bs, H, D]; k_buf, v_buf: [slots, Hkv, D]; mid_o: >= [bs, H, num_splits + prefix_splits, D] fp32
+    and mid_lse: >= [bs, H, num_splits + prefix_splits] fp32 scratch (any leading layout given by their strides).
+
+    Cascade mode (``prefix_splits > 0``): ``prefix_len`` is a 1-element device tensor P such that the first P
+    entries of every request's ``req_to_token`` row are the same slots and P < every seq_len. The shared P
+    tokens are attended once per tile for the whole batch, the rest per request; P == 0 is valid (no sharing).
+    P lives on the device so a CUDA graph captured once serves every step."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == 1 and o.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+    has_prefix = prefix_splits > 0
+    assert not has_prefix or prefix_len is not None
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     scale_log2 = sm_scale * LOG2E
-    common = (q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-              q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-              req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-              mid_lse.stride(0), mid_lse.stride(1), scale_log2)
+    ieee = q.dtype == torch.float32
+    strides = (q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+               req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+               mid_lse.stride(0), mid_lse.stride(1), scale_log2)
+    common = (q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, prefix_len if has_prefix else seq_lens,
+              mid_o, mid_lse) + strides
     size = "large" if bs >= LARGE_BATCH else "small"
     if group == 1:
         block_n, warps, stages, head_fastest = config or MHA_CONFIG[size]
@@ -198,11 +294,9 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
         grid = (num_heads, bs, num_splits) if head_fastest else (bs, num_heads, num_splits)
         _decode_stage1_mha[grid](
             *common, KV_GROUP=1, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            HEAD_FASTEST=head_fastest, num_warps=warps, num_stages=stages,
+            HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, num_warps=warps, num_stages=stages,
         )
     else:
-        import torch
-
         block_n, warps, stages, head_fastest = config or GQA_CONFIG[size]
         if block_d > 128:
             block_n = min(block_n, 32)
@@ -210,10 +304,33 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
         _decode_stage1_gqa[grid](
             *common, KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
             BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
-            IEEE=q.dtype == torch.float32, HEAD_FASTEST=head_fastest, num_warps=warps, num_stages=stages,
+            IEEE=ieee, HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, num_warps=warps, num_stages=stages,
         )
+    total_splits = num_splits
+    if has_prefix:
+        grid = (num_kv_heads, prefix_splits, triton.cdiv(bs * group, PREFIX_BLOCK_M))
+        _decode_prefix_stage1[grid](
+            q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_len, mid_o, mid_lse, *strides, bs * group,
+            KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREFIX_BLOCK_M,
+            BLOCK_N=PREFIX_BLOCK_N if block_d <= 128 else 32, SPLIT_BASE=num_splits,
+            NUM_PREFIX_SPLITS=prefix_splits, IEEE=ieee, num_warps=4, num_stages=2,
+        )
+        total_splits += prefix_splits
     _decode_stage2[(bs, num_heads)](
         mid_o, mid_lse, o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        o.stride(0), o.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if block_d >= 128 else 2,
+        o.stride(0), o.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=total_splits,
+        BLOCK_S=triton.next_power_of_2(total_splits), num_warps=4 if block_d >= 128 else 2,
     )
+
+
+def shared_prefix_len(req_to_token, req_pool_indices, min_seq_len: int, positions, out) -> None:
+    """Writes into ``out`` (1-element int32 device tensor) the number of leading KV slots that every request
+    of the batch shares, capped at min_seq_len - 1 so each request keeps its newest token in its own part.
+    Device ops only (no host sync); ``positions`` is a device arange of at least min_seq_len."""
+    n = max(min_seq_len - 1, 0)
+    if n == 0 or req_pool_indices.shape[0] < 2:
+        out.zero_()
+        return
+    rows = req_to_token[req_pool_indices, :n]
+    differs = (rows != rows[:1]).any(0)
+    out.copy_(torch.where(differs, positions[:n], n).min())
