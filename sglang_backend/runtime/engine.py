@@ -59,6 +59,10 @@ class Engine:
         self.scheduler = Scheduler(self.server_args, self.config, self.model_dir, self.tokenizer)
         self.context_len = self.scheduler.context_len
         self.limits = self.scheduler.limits
+        from .multimodal.processor import MultimodalProcessor
+
+        # In-process callers own their files, so local image paths are allowed here (unlike the server).
+        self.mm_processor = MultimodalProcessor.for_model(self.config, self.model_dir, self.tokenizer, True)
         self._handles: dict[str, _Handle] = {}
         self._inbox: list[tuple[str, Any]] = []
         self._cond = threading.Condition()
@@ -80,13 +84,18 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         extra_key: Any = None,
+        image_data: Any = None,
     ):
         """Generates for one prompt (returns a dict) or a list of prompts (returns a list of dicts).
 
         With ``stream=True`` (single prompt) returns an iterator of dicts whose ``text`` is the new piece.
+        ``image_data`` (multimodal models): per prompt an image or a list of images (path, base64, data URL,
+        bytes or PIL image), one per image placeholder in the prompt; for a batch, a list with one entry
+        per prompt.
         """
         handles, is_batch = self._submit(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                         top_logprobs_num, rid, extra_key, stream, return_text_in_logprobs)
+                                         top_logprobs_num, rid, extra_key, stream, return_text_in_logprobs,
+                                         image_data)
         if stream:
             if is_batch:
                 raise ValueError("stream=True takes a single prompt")
@@ -148,7 +157,7 @@ class Engine:
 
     # Submission -------------------------------------------------------------------------------------------------
     def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                rid, extra_key, stream, return_text_in_logprobs):
+                rid, extra_key, stream, return_text_in_logprobs, image_data=None):
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}")
         if (prompt is None) == (input_ids is None):
@@ -178,18 +187,25 @@ class Engine:
         starts = per_item(logprob_start_len, "logprob_start_len")
         tops = per_item(top_logprobs_num, "top_logprobs_num")
         rids = per_item(rid, "rid") if rid is not None else [None] * n
+        images = per_item(image_data, "image_data") if is_batch else [image_data]
+        if any(im is not None for im in images) and self.mm_processor is None:
+            raise ValueError("image_data was given, but this model takes no images")
 
         reqs = []
-        for ids, sp_dict, lp, start, top, r in zip(ids_list, params, logprob_flags, starts, tops, rids):
+        for ids, sp_dict, lp, start, top, r, im in zip(ids_list, params, logprob_flags, starts, tops, rids, images):
             sp = parse_sampling_params(sp_dict, self.limits, self.tokenizer)
             check_input_ids(ids, self.limits)
+            mm = None
+            if im is not None:
+                ids, mm = self.mm_processor.expand(ids, im, self.limits.context_len, self.limits.max_total_num_tokens,
+                                                   bool(lp), start)
             check_total_length(len(ids), sp_dict, sp, self.limits)
             check_grammar(sp, self.scheduler.grammar_cache)
             check_logprob_args(len(ids), start, top)
             req_start = start if start is not None else -1
             if lp and start is None:
                 req_start = -1  # output logprobs only
-            req = Req(r or uuid.uuid4().hex, ids, sp, bool(lp), req_start, int(top or 0), extra_key, stream)
+            req = Req(r or uuid.uuid4().hex, ids, sp, bool(lp), req_start, int(top or 0), extra_key, stream, mm)
             reqs.append(req)
         handles = []
         for req in reqs:

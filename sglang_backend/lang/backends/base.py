@@ -45,6 +45,30 @@ class NativeAPIBackend(BaseBackend):
     """Subclasses implement ``_call(payload) -> dict | list[dict]`` (our /generate request and response
     shapes), ``_stream(payload) -> iterator of dicts`` and ``tokenize(text)``."""
 
+    image_token = "<image>"  # the LLaVA placeholder; the runtime maps it to the model's image token
+
+    def append_image(self, s, expr) -> None:
+        """``image(x)`` adds one placeholder; ``video(path, n)`` adds n, one per evenly sampled frame."""
+        from ..ir import SglVideo
+
+        if isinstance(expr, SglVideo):
+            from ...runtime.multimodal.video import load_video_frames
+
+            frames = load_video_frames(expr.path, expr.num_frames)
+        else:
+            frames = [expr.path]
+        s.images_.extend(frames)
+        s._append(self.image_token * len(frames))
+
+    def _encode_images(self, images: list) -> list:
+        return images  # in-process: paths, bytes and PIL images go as they are
+
+    def _image_fields(self, s, n: int | None = None) -> dict:
+        if not s.images_:
+            return {}
+        images = self._encode_images(list(s.images_))
+        return {"image_data": images if n is None else [images] * n}
+
     def _call(self, payload: dict):
         raise NotImplementedError
 
@@ -68,23 +92,25 @@ class NativeAPIBackend(BaseBackend):
         return fields
 
     def cache_prefix(self, prefix_str: str) -> None:
-        if prefix_str:
+        # A prefix with image placeholders needs its images; without them the hint is skipped (the first
+        # branch then caches the shared prefix, image included, for the others).
+        if prefix_str and self.image_token not in prefix_str:
             self._call({"text": prefix_str, "sampling_params": {"max_new_tokens": 0}})
 
     def generate(self, s, sampling_params: SglSamplingParams) -> tuple[str, dict]:
         out = self._call({"text": s.text_, "sampling_params": sampling_params.to_runtime_params(),
-                          **self._logprob_fields(sampling_params)})
+                          **self._logprob_fields(sampling_params), **self._image_fields(s)})
         return out["text"], out["meta_info"]
 
     def generate_n(self, s, sampling_params: SglSamplingParams, n: int):
         outs = self._call({"text": [s.text_] * n, "sampling_params": sampling_params.to_runtime_params(),
-                           **self._logprob_fields(sampling_params)})
+                           **self._logprob_fields(sampling_params), **self._image_fields(s, n)})
         return [o["text"] for o in outs], [o["meta_info"] for o in outs]
 
     def generate_stream(self, s, sampling_params: SglSamplingParams):
         meta = None
         for chunk in self._stream({"text": s.text_, "sampling_params": sampling_params.to_runtime_params(),
-                                   "stream": True, **self._logprob_fields(sampling_params)}):
+                                   "stream": True, **self._logprob_fields(sampling_params), **self._image_fields(s)}):
             meta = chunk["meta_info"]
             if chunk["text"]:
                 yield chunk["text"], meta
@@ -95,6 +121,9 @@ class NativeAPIBackend(BaseBackend):
         from ..choices import token_length_normalized
 
         choices_method = choices_method or token_length_normalized
+        if s.images_:
+            raise NotImplementedError("select() after image()/video() is not supported (it scores prompt "
+                                      "logprobs, which requests with images do not return); use gen with a regex")
         prefix_ids = self.tokenize(s.text_)
         # Prefill the shared prefix once; every choice then extends it from the cache.
         if self.fork_hints:

@@ -6,7 +6,7 @@ from ..chat_template import guess_chat_template
 from .base import NativeAPIBackend
 
 _ENGINE_ARGS = ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                "return_text_in_logprobs")
+                "return_text_in_logprobs", "image_data")
 
 
 class EngineBackend(NativeAPIBackend):
@@ -17,6 +17,8 @@ class EngineBackend(NativeAPIBackend):
 
             engine = Engine(**engine_kwargs)
         self.engine = engine
+        if getattr(engine, "mm_processor", None) is not None:
+            self.image_token = engine.mm_processor.image_token
         from ..chat_template import get_chat_template
 
         self.chat_template = (get_chat_template(chat_template) if chat_template else

@@ -67,6 +67,14 @@ class RuntimeEndpoint(NativeAPIBackend):
         self._raise(r)
         return r.json()["tokens"]
 
+    def _encode_images(self, images: list) -> list:
+        """Local files and in-memory images (video frames) travel as PNG data URLs: the server does not read
+        the client's files. Strings that are not local files (data URLs, base64) pass through."""
+        from ...runtime.multimodal.image import encode_image_data_url, load_image
+
+        return [item if isinstance(item, str) and not os.path.isfile(item)
+                else encode_image_data_url(load_image(item, allow_local_media=True)) for item in images]
+
     def _call(self, payload: dict):
         r = self.session.post(self.base_url + "/generate", json=payload, timeout=self.timeout)
         self._raise(r)

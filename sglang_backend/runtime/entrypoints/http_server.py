@@ -127,8 +127,6 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         obj = parse(GenerateRequest, await read_json(request))
-        if obj.image_data is not None:
-            raise APIError("image_data was given, but this model takes no images", param="image_data")
         if (obj.text is None) == (obj.input_ids is None):
             raise APIError("give exactly one of text or input_ids")
         is_batch = isinstance(obj.text, list) or (obj.input_ids is not None and bool(obj.input_ids) and isinstance(obj.input_ids[0], list))
@@ -153,11 +151,13 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             raise APIError("rid values must be unique within a batch", param="rid")
         if obj.stream and is_batch:
             raise APIError("stream=true takes a single prompt")
+        # image_data: one prompt takes an image or a list of them; a batch takes one such entry per prompt.
+        images = [obj.image_data] if not is_batch else per(obj.image_data, "image_data")
         gis = []
-        for item, sp, lp, st, top, rid in zip(items, sps, lps, starts, tops, rids):
+        for item, sp, lp, st, top, rid, im in zip(items, sps, lps, starts, tops, rids, images):
             text, ids = (item, None) if isinstance(item, str) else (None, item)
             gis.append(prepare(text=text, input_ids=ids, sampling_params=sp, rid=rid, stream=obj.stream,
-                               return_logprob=bool(lp), logprob_start_len=st, top_logprobs_num=top))
+                               return_logprob=bool(lp), logprob_start_len=st, top_logprobs_num=top, image_data=im))
         with_text = obj.return_text_in_logprobs
 
         def finish(out: dict) -> dict:
@@ -264,7 +264,8 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     def sent_logprobs(out: dict) -> int:
         return len(out["meta_info"].get("output_token_logprobs", []))
 
-    def render_chat(req: ChatCompletionRequest) -> str:
+    def render_chat(req: ChatCompletionRequest, images: list | None = None) -> str:
+        """The chat prompt; image parts become the model's image placeholder, their URLs go to ``images``."""
         messages = []
         for m in req.messages:
             content = m.content
@@ -275,7 +276,11 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
                     if kind == "text":
                         parts.append(str(part.get("text", "")))
                     elif kind in ("image_url", "input_image", "image"):
-                        raise APIError("this model takes no images", param="messages")
+                        if tm.mm_processor is None or images is None:
+                            raise APIError("this model takes no images", param="messages")
+                        url = part.get("image_url", part.get("image"))
+                        images.append(url.get("url") if isinstance(url, dict) else url)
+                        parts.append(tm.mm_processor.image_token)
                     else:
                         raise APIError(f"unsupported content part type {kind!r}", param="messages")
                 content = "".join(parts)
@@ -298,14 +303,17 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await read_json(request))
         check_model(req.model)
-        prompt = render_chat(req)
-        ids = tm.tokenizer.encode(prompt, add_special_tokens=False)
+        images: list = []
+        prompt = render_chat(req, images)
         sp = sampling_from_openai(req, req.max_completion_tokens or req.max_tokens)
         if req.response_format is not None and req.response_format.type != "text":
             sp.pop("regex", None)
             sp["json_schema"] = json.dumps(response_format_schema(req.response_format))
         top = req.top_logprobs or 0
-        gis = [prepare(input_ids=ids, sampling_params=s, stream=req.stream, return_logprob=req.logprobs,
+        # With images, the tokenizer manager tokenizes the prompt and expands its image placeholders.
+        src = (dict(text=prompt, image_data=images, add_special_tokens=False) if images
+               else dict(input_ids=tm.tokenizer.encode(prompt, add_special_tokens=False)))
+        gis = [prepare(**src, sampling_params=s, stream=req.stream, return_logprob=req.logprobs,
                        top_logprobs_num=top, rid=(f"{req.rid}-{i}" if req.rid and req.n > 1 else req.rid))
                for i, s in enumerate(seeds_for(sp, req.n))]
         cid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -22,6 +22,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     extra_key: Any = None
+    mm_inputs: Any = None  # multimodal.MultimodalInputs: image hashes, spans, pixel values
 
 
 @dataclass

@@ -39,9 +39,12 @@ class Req:
         top_logprobs_num: int = 0,
         extra_key=None,
         stream: bool = False,
+        mm_inputs=None,
     ):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
+        # Images: their placeholder spans in input_ids hold hash-derived, out-of-vocabulary pad ids.
+        self.mm_inputs = mm_inputs or None
         self.output_ids: list[int] = []
         self.sampling_params = sampling_params
         self.extra_key = extra_key
@@ -95,6 +98,13 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def text_input_ids(self) -> list[int]:
+        """Prompt ids without image pad ids (for vocabulary-indexed uses such as penalties)."""
+        if self.mm_inputs is None:
+            return self.origin_input_ids
+        return [t for t in self.origin_input_ids if t < self.mm_inputs.pad_id_floor]
 
     @property
     def seq_len(self) -> int:
@@ -168,4 +178,6 @@ class ScheduleBatch:
             extend_prefix_lens_cpu=list(self.prefix_lens),
             extend_seq_lens_cpu=list(self.extend_lens),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            mm_inputs=[r.mm_inputs for r in self.reqs] if any(r.mm_inputs for r in self.reqs)
+            and self.forward_mode.is_extend() else None,
         )

@@ -463,7 +463,7 @@ class Scheduler:
 
     def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor, new_running: bool) -> list[Req]:
         info = SamplingBatchInfo.from_requests(
-            [r.sampling_params for r in reqs], [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs],
+            [r.sampling_params for r in reqs], [r.text_input_ids for r in reqs], [r.output_ids for r in reqs],
             [r.generator for r in reqs], self.eos_token_ids, self.model_runner.vocab_size, self.device)
         matchers = [r.grammar for r in reqs]
         sample_logits = logits
@@ -576,6 +576,9 @@ class Scheduler:
         if self.has_work():
             return False
         self.tree_cache.reset()
+        feature_cache = getattr(self.model_runner.model, "feature_cache", None)  # multimodal models
+        if feature_cache is not None:
+            feature_cache.clear()
         return True
 
     def check_pool_whole(self) -> None:
@@ -616,6 +619,7 @@ class Scheduler:
             "evictable_tokens": self.tree_cache.evictable_size(),
             "max_total_num_tokens": self.max_total_num_tokens,
             "new_token_ratio": self.new_token_ratio,
+            **(self.model_runner.model.mm_stats() if hasattr(self.model_runner.model, "mm_stats") else {}),
         }
 
 
@@ -694,7 +698,7 @@ def run_scheduler_process(server_args, ipc: dict, ready_conn) -> None:
                 sp.verify(sched.model_runner.vocab_size)
                 sp.normalize(tokenizer)
                 req = Req(msg.rid, msg.input_ids, sp, msg.return_logprob, msg.logprob_start_len,
-                          msg.top_logprobs_num, msg.extra_key, msg.stream)
+                          msg.top_logprobs_num, msg.extra_key, msg.stream, msg.mm_inputs)
             except Exception as e:  # noqa: BLE001 - one bad request fails alone; the loop keeps serving
                 logger.warning("rejected request %s: %s", msg.rid, e)
                 req = Req(msg.rid, msg.input_ids or [0], SamplingParams(max_new_tokens=0))

@@ -63,6 +63,7 @@ class GenerateInput:
     logprob_start_len: int | None = None
     top_logprobs_num: int = 0
     extra_key: object = None
+    mm_inputs: object = None  # multimodal.MultimodalInputs for requests with images
 
 
 class TokenizerManager:
@@ -85,6 +86,11 @@ class TokenizerManager:
         sa = self.server_args
         model_dir = resolve_model_path(sa.model_path)  # fails fast (ValueError) on unknown models
         self.tokenizer = load_tokenizer(sa.tokenizer_path or model_dir)
+        from ..model_loader.loader import load_config
+        from ..multimodal.processor import MultimodalProcessor
+
+        self.mm_processor = MultimodalProcessor.for_model(load_config(model_dir), model_dir, self.tokenizer,
+                                                          sa.allow_local_media)
         self.ipc_dir = tempfile.mkdtemp(prefix="sglang-backend-")
         ipc = {name: f"ipc://{self.ipc_dir}/{name}" for name in ("scheduler_input", "detokenizer_input", "tokenizer_input")}
         ctx = mp.get_context("spawn")
@@ -177,14 +183,21 @@ class TokenizerManager:
 
     def prepare(self, *, text: str | None = None, input_ids: list[int] | None = None, sampling_params: dict | None = None,
                 rid: str | None = None, stream: bool = False, return_logprob: bool = False,
-                logprob_start_len: int | None = None, top_logprobs_num: int | None = 0, extra_key=None) -> GenerateInput:
+                logprob_start_len: int | None = None, top_logprobs_num: int | None = 0, extra_key=None,
+                image_data=None, add_special_tokens: bool = True) -> GenerateInput:
         """Tokenizes and validates one prompt; raises ValueError with the reason."""
         if self.dead_reason is not None:
             raise ServerUnavailable(self.dead_reason)
         if (text is None) == (input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
-        ids = self.tokenize(text) if text is not None else list(input_ids)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens) if text is not None else list(input_ids)
         check_input_ids(ids, self.limits)
+        mm_inputs = None
+        if image_data is not None:
+            if self.mm_processor is None:
+                raise ValueError("image_data was given, but this model takes no images")
+            ids, mm_inputs = self.mm_processor.expand(ids, image_data, self.limits.context_len,
+                                                      self.limits.max_total_num_tokens, return_logprob, logprob_start_len)
         sp = parse_sampling_params(sampling_params, self.limits, self.tokenizer)
         check_total_length(len(ids), sampling_params, sp, self.limits)
         check_grammar(sp, self.grammar_cache)
@@ -193,7 +206,7 @@ class TokenizerManager:
         if rid in self.rid_to_state:
             raise ValueError(f"request id {rid!r} is already in use")
         return GenerateInput(rid, ids, dict(sampling_params or {}), stream, return_logprob, logprob_start_len,
-                             int(top_logprobs_num or 0), extra_key)
+                             int(top_logprobs_num or 0), extra_key, mm_inputs)
 
     async def generate(self, gi: GenerateInput) -> AsyncIterator[dict]:
         """Yields result dicts: text pieces while streaming, then the final one (with finish_reason)."""
@@ -201,7 +214,7 @@ class TokenizerManager:
         self.rid_to_state[gi.rid] = state
         start = gi.logprob_start_len if gi.logprob_start_len is not None else -1
         self.send.send_pyobj(TokenizedGenerateReq(gi.rid, gi.input_ids, gi.sampling_params, gi.return_logprob, start,
-                                                  gi.top_logprobs_num, gi.stream, gi.extra_key))
+                                                  gi.top_logprobs_num, gi.stream, gi.extra_key, gi.mm_inputs))
         finished = False
         try:
             while True:

@@ -33,6 +33,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     # Rows of the hidden states whose logits are needed (last token of each request, plus prompt-logprob spans).
     logits_indices: torch.Tensor | None = None
+    # Extend only, multimodal models: per request its MultimodalInputs (or None); None when no request has any.
+    mm_inputs: list | None = None
     # Filled in by the model runner.
     req_to_token_pool: object = None
     token_to_kv_pool: object = None

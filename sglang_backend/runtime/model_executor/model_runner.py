@@ -40,10 +40,11 @@ class ModelRunner:
     def __init__(self, server_args, config, model_dir: str | None):
         self.server_args = server_args
         self.config = config
+        self.text_config = config.get_text_config()  # the LM's config (LLaVA nests it; Llama is its own)
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
-        self.context_len = server_args.context_length or int(getattr(config, "max_position_embeddings", 2048))
-        self.vocab_size = config.vocab_size
+        self.context_len = server_args.context_length or int(getattr(self.text_config, "max_position_embeddings", 2048))
+        self.vocab_size = self.text_config.vocab_size
         self._load_model(model_dir)
         self._init_memory_pools()
         self._init_attention_backend()
@@ -89,7 +90,7 @@ class ModelRunner:
             model.init_dummy_weights(seed)
             return
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        std = float(getattr(self.config, "initializer_range", 0.02))
+        std = float(getattr(self.text_config, "initializer_range", 0.02))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -101,7 +102,7 @@ class ModelRunner:
 
     def _init_memory_pools(self) -> None:
         sa = self.server_args
-        cfg = self.config
+        cfg = self.text_config
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = head_dim_of(cfg)
         per_token = MHATokenToKVPool.bytes_per_token(num_kv_heads, head_dim, cfg.num_hidden_layers, self.dtype)

@@ -43,6 +43,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "LlavaForConditionalGeneration": "llava",  # vision tower + a Llama-family LM (models/llava.py)
 }
 
 

@@ -81,8 +81,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
-    def forward(self, input_ids, positions, forward_batch):
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+        # input_embeds: multimodal models pass embeddings with image features already merged in.
+        hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, forward_batch)

@@ -1,11 +1,13 @@
 """Architecture name (config.architectures[0]) -> our model class."""
 
 from .llama import LlamaForCausalLM
+from .llava import LlavaForConditionalGeneration
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 
