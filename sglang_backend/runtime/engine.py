@@ -142,6 +142,8 @@ class Engine:
             self._cond.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self.scheduler.model_runner.shutdown()  # tensor parallelism: stops the other ranks
 
     def __enter__(self):
         return self

@@ -54,7 +54,6 @@ class ServerArgs:
     port: int = field(default=30000, metadata={"help": "HTTP port"})
     api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY'"})
     log_level: str = field(default="info", metadata={"help": "Logging level"})
-    allow_local_media: bool = field(default=False, metadata={"help": "Let requests name local image/video files by path (off: base64/data URLs only)"})
     max_queued_requests: int = field(default=1024, metadata={"help": "Requests waiting beyond the running ones; past it new requests get 503 + Retry-After"})
     request_timeout: float | None = field(default=None, metadata={"help": "Seconds a request may take end to end before it is aborted (504); default: no limit"})
     max_request_body_bytes: int = field(default=8 << 20, metadata={"help": "Larger request bodies get 413"})

@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..mem_cache.memory_pool import MHATokenToKVPool, MirroredReqToTokenPool, ReqToTokenPool, TokenToKVPoolAllocator
+from ..distributed.parallel_state import all_reduce_min, check_tp_config, kv_head_range, split_evenly
 from ..models.llama import head_dim_of
 from ..models.registry import get_model_class
 from .forward_batch import ForwardBatch
@@ -37,12 +38,16 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, server_args, config, model_dir: str | None):
+    def __init__(self, server_args, config, model_dir: str | None, tp_rank: int = 0):
         self.server_args = server_args
         self.config = config
         self.text_config = config.get_text_config()  # the LM's config (LLaVA nests it; Llama is its own)
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
+        self.tp_rank = tp_rank
+        self.tp_followers = None  # rank 0 of a tensor-parallel group: its handle on the other ranks
+        if server_args.tp_size > 1:
+            self._init_tensor_parallel()
         self.context_len = server_args.context_length or int(getattr(self.text_config, "max_position_embeddings", 2048))
         self.vocab_size = self.text_config.vocab_size
         self._load_model(model_dir)
@@ -51,6 +56,29 @@ class ModelRunner:
         self._init_gpu_fast_path()
 
     # Set-up ------------------------------------------------------------------------------------------------------
+    def _init_tensor_parallel(self) -> None:
+        """Rank r uses cuda:r; rank 0 launches ranks 1..N-1 (which joined the group before building theirs)."""
+        from ..distributed.tp_worker import TPFollowers
+        from ..models.llama import LlamaForCausalLM
+
+        tp = self.server_args.tp_size
+        if get_model_class(self.config) is not LlamaForCausalLM:
+            raise ValueError("tp_size > 1 supports the Llama family (Llama, Mistral, Qwen2) only")
+        check_tp_config(self.text_config, tp)
+        if self.device.startswith("cuda"):
+            if torch.cuda.device_count() < tp:
+                raise ValueError(f"tp_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+            self.device = f"cuda:{self.tp_rank}"
+            torch.cuda.set_device(self.device)
+        if self.tp_rank == 0:
+            self.tp_followers = TPFollowers(self.server_args, self.device)
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks (rank 0 only; nothing to do at tp_size 1)."""
+        if self.tp_followers is not None:
+            self.tp_followers.shutdown()
+            self.tp_followers = None
+
     def _load_model(self, model_dir: str | None) -> None:
         from ..model_loader.loader import iterate_weights
 
@@ -97,13 +125,18 @@ class ModelRunner:
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
                     p.zero_()
-                else:
+                elif self.server_args.tp_size == 1:
                     p.normal_(0.0, std, generator=gen)
+                else:  # draw the full tensor and keep this rank's shard: the same model at every tp_size
+                    full = torch.empty(model.full_shape(name, p), dtype=p.dtype, device=p.device)
+                    model._load_full(name, p, full.normal_(0.0, std, generator=gen))
 
     def _init_memory_pools(self) -> None:
         sa = self.server_args
         cfg = self.text_config
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        # This rank's KV heads (all of them at tp_size 1).
+        self.num_heads = split_evenly(cfg.num_attention_heads, "num_attention_heads")
+        num_kv_heads = self.num_kv_heads = kv_head_range(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)[1]
         head_dim = head_dim_of(cfg)
         per_token = MHATokenToKVPool.bytes_per_token(num_kv_heads, head_dim, cfg.num_hidden_layers, self.dtype)
         if sa.max_total_tokens:
@@ -117,12 +150,17 @@ class ModelRunner:
             total = min(int(budget // per_token), MAX_GPU_POOL_TOKENS)
             if total <= 0:
                 raise RuntimeError("not enough GPU memory for the KV pool; raise --mem-fraction-static")
+        total = all_reduce_min(total)  # tensor parallelism: rank 0 hands out slots every rank must have
         total = max(sa.page_size, total // sa.page_size * sa.page_size)
         self.max_total_num_tokens = total
         if self.device != "cpu" and sa.attention_backend == "triton":
             self.req_to_token_pool = MirroredReqToTokenPool(sa.max_running_requests, self.context_len + 8, self.device)
         else:
             self.req_to_token_pool = ReqToTokenPool(sa.max_running_requests, self.context_len + 8, self.device)
+        if self.tp_followers is not None:
+            from ..distributed.tp_worker import ReqToTokenWriteLog
+
+            self.req_to_token_pool = ReqToTokenWriteLog(self.req_to_token_pool)  # replayed by the other ranks
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, sa.page_size, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(total, self.dtype, num_kv_heads, head_dim, cfg.num_hidden_layers,
                                                  self.device, sa.page_size)
@@ -182,6 +220,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Runs the batch; returns float32 logits for the rows in ``fb.logits_indices``."""
+        if self.tp_followers is not None:
+            self.tp_followers.send_forward(fb, self.req_to_token_pool.take())
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from ..distributed.parallel_state import get_tp_rank, kv_head_range, split_evenly
 from ..layers.layernorm import RMSNorm
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 from ..layers.radix_attention import RadixAttention
 from ..layers.rotary_embedding import RotaryEmbedding, apply_rotary
 
@@ -24,16 +26,21 @@ def head_dim_of(config) -> int:
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_id: int):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        # Tensor parallelism: this rank's query heads and the KV heads they read (split or replicated).
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.num_heads = split_evenly(total_heads, "num_attention_heads")
+        kv_start, self.num_kv_heads = kv_head_range(total_kv_heads)
+        self.head_dim = D = head_dim_of(config)
+        self.q_size = self.num_heads * D
+        self.kv_size = self.num_kv_heads * D
         # Qwen2 always has q/k/v biases; Llama may via attention_bias.
         bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         # q, k and v in one matmul (weights are concatenated at load time).
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2")
+        kv_part = (total_kv_heads * D, kv_start * D, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [(total_heads * D, get_tp_rank() * self.q_size, self.q_size), kv_part, kv_part], bias)
+        self.o_proj = RowParallelLinear(total_heads * D, config.hidden_size, bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2")
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
 
     def forward(self, hidden, cos, sin, forward_batch):
@@ -49,9 +56,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.intermediate_size = split_evenly(config.intermediate_size, "intermediate_size")  # this rank's share
+        self.gate_up_proj = ColumnParallelLinear.even(config.hidden_size, [config.intermediate_size] * 2, bias,
+                                                      "intermediate_size")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, "intermediate_size")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
 
@@ -76,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
@@ -97,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)  # used as a weight only
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -108,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        return vocab_parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size).float()
 
     # Weight loading: HF names in, merged q/k/v and gate/up out.
     _stacked = {
@@ -132,14 +140,10 @@ class LlamaForCausalLM(nn.Module):
             target = ".".join(parts)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            param = params[target]
-            with torch.no_grad():
-                if shard is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                    param.copy_(tensor)
-                else:
-                    self._shard_view(target, shard, param).copy_(tensor)
+            try:
+                self._load_full(target, params[target], tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"weight {name!r} {e}") from None
             loaded.add(f"{target}#{shard}" if shard is not None else target)
         expected = set()
         for name in params:
@@ -153,14 +157,25 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
-    def _shard_view(self, target: str, shard: int, param: torch.Tensor) -> torch.Tensor:
-        if "qkv_proj" in target:
-            attn = self.model.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+    def _owner(self, target: str):
+        return self.get_submodule(target.rsplit(".", 1)[0])
+
+    @torch.no_grad()
+    def _load_full(self, target: str, param: torch.Tensor, full: torch.Tensor, part: int | None = None) -> None:
+        """Copies this rank's shard of the full (unsharded) tensor into ``param``; ``part`` picks q/k/v or
+        gate/up inside a fused parameter (None: the fused tensor itself)."""
+        owner = self._owner(target)
+        if hasattr(owner, "load_full"):  # the tensor-parallel layers cut their shard
+            owner.load_full(param, full, part)
+        elif param.shape != full.shape:  # norms: replicated
+            raise ValueError(f"has shape {tuple(full.shape)}, expected {tuple(param.shape)}")
         else:
-            sizes = [self.config.intermediate_size] * 2
-        start = sum(sizes[:shard])
-        return param.data.narrow(0, start, sizes[shard])
+            param.copy_(full)
+
+    def full_shape(self, target: str, param: torch.Tensor) -> tuple:
+        """The parameter's shape without tensor parallelism."""
+        owner = self._owner(target)
+        return owner.full_shape(param) if hasattr(owner, "full_shape") else tuple(param.shape)
 
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights at the config's shapes (benchmarks, tests): normal(0, initializer_range), norms 1."""
@@ -172,8 +187,9 @@ class LlamaForCausalLM(nn.Module):
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
                     p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+                else:  # drawn at the full shape, so every tp_size gets the same model
+                    full = torch.randn(self.full_shape(name, p), generator=gen, dtype=torch.float32) * std
+                    self._load_full(name, p, full)
 
 
 EntryClass = [LlamaForCausalLM]

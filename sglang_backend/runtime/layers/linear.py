@@ -1,0 +1,117 @@
+"""Tensor-parallel layers (Megatron-style): column-parallel and row-parallel linears, vocab-parallel
+embedding and LM head.
+
+Each layer holds only this rank's shard and knows how to cut it from a full (unsharded) checkpoint tensor
+(``load_full``). At tp_size 1 the shard is the whole tensor and ``forward`` is the plain ``nn.Linear`` /
+``nn.Embedding`` one: no communication, no extra op.
+
+* Column-parallel: output features split, output stays split (feeds attention heads or the MLP's
+  activation, which are per-shard anyway). Several logical outputs can share one matmul (q/k/v, gate/up):
+  each is cut separately so every rank gets its own q, k and v rows.
+* Row-parallel: input features split; the partial products are summed with one all-reduce.
+* Vocab-parallel: rows of the embedding split by token id (padded to a multiple of tp_size); out-of-shard
+  ids give zeros and the all-reduce adds the one real row. The LM head gathers the logit columns.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ..distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size, split_evenly
+
+
+def _check_shape(full: torch.Tensor, expected: tuple) -> None:
+    if tuple(full.shape) != tuple(expected):
+        raise ValueError(f"has shape {tuple(full.shape)}, expected {tuple(expected)}")
+
+
+class ColumnParallelLinear(nn.Linear):
+    """``parts``: the logical outputs fused into this matmul, as (full size, first row kept, rows kept)."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, int, int]], bias: bool):
+        super().__init__(in_features, sum(n for _, _, n in parts), bias=bias)
+        self.parts = parts
+
+    @classmethod
+    def even(cls, in_features: int, sizes: list[int], bias: bool, what: str) -> "ColumnParallelLinear":
+        """Every logical output split evenly across the ranks."""
+        rank = get_tp_rank()
+        return cls(in_features, [(s, rank * split_evenly(s, what), split_evenly(s, what)) for s in sizes], bias)
+
+    def full_shape(self, param: torch.Tensor) -> tuple:
+        return (sum(full for full, _, _ in self.parts),) + tuple(param.shape[1:])
+
+    def load_full(self, param: torch.Tensor, full: torch.Tensor, part: int | None = None) -> None:
+        """Copies this rank's rows of ``full`` into ``param``: ``full`` is logical output ``part`` (a q_proj
+        weight, say) or, with part None, all of them concatenated."""
+        if part is None:
+            _check_shape(full, self.full_shape(param))
+            pieces = full.split([p[0] for p in self.parts], dim=0)
+            param.copy_(torch.cat([x.narrow(0, start, n) for x, (_, start, n) in zip(pieces, self.parts)]))
+            return
+        full_size, start, n = self.parts[part]
+        _check_shape(full, (full_size,) + tuple(param.shape[1:]))
+        offset = sum(p[2] for p in self.parts[:part])
+        param.narrow(0, offset, n).copy_(full.narrow(0, start, n))
+
+
+class RowParallelLinear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool, what: str = "in_features"):
+        local = split_evenly(in_features, what)
+        super().__init__(local, out_features, bias=bias)
+        self.tp_size = get_tp_size()
+        self.in_start = get_tp_rank() * local
+        self.full_in = in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias  # the bias once, after the sum
+
+    def full_shape(self, param: torch.Tensor) -> tuple:
+        return tuple(param.shape) if param is self.bias else (param.shape[0], self.full_in)
+
+    def load_full(self, param: torch.Tensor, full: torch.Tensor, part: int | None = None) -> None:
+        _check_shape(full, self.full_shape(param))
+        param.copy_(full if param is self.bias else full.narrow(1, self.in_start, param.shape[1]))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Also the LM head's weight holder (``vocab_parallel_logits``): same row split, same padding."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        tp = get_tp_size()
+        per = -(-vocab_size // tp)
+        super().__init__(per, dim)
+        self.tp_size = tp
+        self.vocab_size = vocab_size
+        self.vocab_start = get_tp_rank() * per
+        self.vocab_end = min(self.vocab_start + per, vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(ids)
+        inside = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        out = F.embedding((ids - self.vocab_start) * inside, self.weight)  # foreign ids read row 0 ...
+        out.masked_fill_(~inside.unsqueeze(-1), 0)  # ... and are zeroed: the owner's row is the sum
+        return all_reduce(out)
+
+    def full_shape(self, param: torch.Tensor) -> tuple:
+        return (self.vocab_size, param.shape[1])
+
+    def load_full(self, param: torch.Tensor, full: torch.Tensor, part: int | None = None) -> None:
+        _check_shape(full, self.full_shape(param))
+        n = self.vocab_end - self.vocab_start
+        param[:n].copy_(full[self.vocab_start : self.vocab_end])
+        param[n:].zero_()  # padding rows (vocab not divisible by tp_size): their logits are cut off
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """hidden @ weight.T over the full vocabulary, from this rank's vocab rows of ``weight``."""
+    logits = F.linear(hidden, weight)
+    if get_tp_size() == 1:
+        return logits
+    return all_gather_last_dim(logits)[..., :vocab_size]
