@@ -39,13 +39,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .runtime.entrypoints.http_server import launch_server
     from .runtime.server_args import ServerArgs
 
+    if args.dp > 1:
+        from .runtime.distributed.data_parallel import serve_dp
+
+        return serve_dp(ServerArgs.from_cli_args(args), args.dp, args.router_policy)
     launch_server(ServerArgs.from_cli_args(args))
     return 0
+
+
+def cmd_bench(argv: list[str]) -> int:
+    """The benchmark suite (benchmarks/suite in the repo); its own parser handles --help."""
+    try:
+        from benchmarks.suite.main import main as bench_main
+    except ImportError:
+        import os
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+        from benchmarks.suite.main import main as bench_main
+    rows = bench_main(argv)
+    return 1 if any(r["errors"] for r in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     from .runtime.server_args import ServerArgs
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
     parser = argparse.ArgumentParser(prog="sglang-backend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -58,7 +78,14 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: embedded SmolLM2 on 127.0.0.1:30000)")
     ServerArgs.add_cli_args(serve)
+    serve.add_argument("--dp", type=int, default=1, help="Data parallelism: N workers on ports port+1..port+N behind "
+                       "sglang-router on --port (default: 1, no router)")
+    serve.add_argument("--router-policy", default="cache_aware", help="sglang-router policy with --dp "
+                       "(cache_aware, round_robin, random, power_of_two; default: cache_aware)")
     serve.set_defaults(func=cmd_serve)
+
+    sub.add_parser("bench", help="LM-program benchmark suite: sglang-backend bench <workload...>|all [--smoke] "
+                                 "(see sglang-backend bench --help)")
 
     args = parser.parse_args(argv)
     return args.func(args)
