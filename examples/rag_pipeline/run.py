@@ -12,7 +12,8 @@ import sys
 from collections import Counter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "adapters", "dspy"))  # runs from a checkout, too
+# Runs from a checkout too (without `pip install -e .`): the repo root and the adapter's directory.
+sys.path[:0] = [os.path.join(HERE, "..", ".."), os.path.join(HERE, "..", "..", "adapters", "dspy")]
 
 import dspy  # noqa: E402
 from sglang_dspy import SGLangLM, hit_rate_from_history  # noqa: E402
@@ -77,34 +78,44 @@ QUESTIONS = [
     "How does cache-aware scheduling order requests?",
     "What does the fork primitive send first?",
     "What is the capital of France?",
+    "What does chunked prefill do?",
+    "What happens when the KV pool runs out during decoding?",
+    "How does BM25 rank passages?",
+    "How tall is the Eiffel Tower?",
+    "Where does the Seine flow?",
+    "What endpoints does an OpenAI-compatible server answer?",
 ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model-path", default=None)
-    ap.add_argument("--base-url", default=None)
+    ap.add_argument("--model-path", default=None, help="an HF model dir (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--base-url", default=None, help="a running `sglang-backend serve` instead of the in-process engine")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=4)
     args = ap.parse_args()
+    # cache=False: every call reaches the runtime, so the cache numbers below are the runtime's own.
+    common = dict(max_tokens=args.max_tokens, max_string_length=160, cache=False)
     if args.base_url:
-        lm = SGLangLM(base_url=args.base_url, api_key=args.api_key, max_tokens=args.max_tokens, max_string_length=160)
+        lm = SGLangLM(base_url=args.base_url, api_key=args.api_key, **common)
     else:
-        lm = SGLangLM(model_path=args.model_path, max_tokens=args.max_tokens, max_string_length=160,
-                      engine_kwargs={"log_level": "warning"})
+        lm = SGLangLM(model_path=args.model_path, engine_kwargs={"log_level": "warning"}, **common)
     dspy.configure(lm=lm, adapter=dspy.JSONAdapter())
     rag = RAG(BM25(load_corpus()))
     before = lm.get_stats()
-    results = rag.batch([dspy.Example(question=q).with_inputs("question") for q in QUESTIONS], num_threads=4)
+    results = rag.batch([dspy.Example(question=q).with_inputs("question") for q in QUESTIONS],
+                        num_threads=args.threads)
     for q, r in zip(QUESTIONS, results):
         print(f"Q: {q}\nA: {r.answer}\n")
     after = lm.get_stats()
     prompt = after["num_prompt_tokens"] - before["num_prompt_tokens"]
     cached = after["num_cached_tokens"] - before["num_cached_tokens"]
-    print(f"calls: {len(lm.history)}  prefix hints sent: {lm.hints_sent}")
-    print(f"request-level cache hit rate (usage): {hit_rate_from_history(lm.history):.3f}")
-    print(f"engine cache hit rate this run (incl. hints): {cached / max(prompt, 1):.3f}  "
-          f"(cached {cached} / prompt {prompt} tokens); lifetime {after.get('cache_hit_rate')}")
+    jumped = after.get("num_jump_forward_tokens", 0) - before.get("num_jump_forward_tokens", 0)
+    print(f"LM calls: {len(lm.history)}  prefix hints sent: {lm.hints_sent}")
+    print(f"cache hit rate seen by the calls (lm.history usage): {hit_rate_from_history(lm.history):.3f}")
+    print(f"runtime cache hit rate this run (hints included): {cached / max(prompt, 1):.3f} "
+          f"(cached {cached} / prompt {prompt} tokens); jump-forward tokens: {jumped}")
 
 
 if __name__ == "__main__":
