@@ -195,8 +195,9 @@ class ModelRunner:
                 from ..layers.attention.triton_ops.fused_llama import FusedLlamaExecutor
             except ImportError:  # no triton: plain torch modules
                 FusedLlamaExecutor = None
-            if FusedLlamaExecutor is not None and FusedLlamaExecutor.supports(self.model):
-                self.executor = FusedLlamaExecutor(self.model, self.req_to_token_pool.max_context_len, self.device)
+            lm = getattr(self.model, "language_model", self.model)  # LLaVA: its Llama LM takes the fused path
+            if FusedLlamaExecutor is not None and FusedLlamaExecutor.supports(lm):
+                self.executor = FusedLlamaExecutor(lm, self.req_to_token_pool.max_context_len, self.device)
         if not self.server_args.disable_cuda_graph and getattr(self.attn_backend, "supports_fused_kv_store", False):
             from .cuda_graph_runner import CudaGraphRunner
 
@@ -204,7 +205,7 @@ class ModelRunner:
 
     # Forward ------------------------------------------------------------------------------------------------------
     def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
-        if self.executor is not None:
+        if self.executor is not None and fb.mm_inputs is None:  # image features enter through the model's own path
             return self.executor(fb.input_ids, fb.positions, fb)
         return self.model(fb.input_ids, fb.positions, fb)
 

@@ -6,11 +6,14 @@ scheduler process receives ids that already carry the image hashes and encodes p
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 
 from .image import image_hash, load_image
 from .inputs import ImageItem, MultimodalInputs, pad_ids_for_hash
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_IMAGES = 16
 _PIXEL_CACHE_ENTRIES = 64
@@ -39,7 +42,10 @@ def build_image_processor(config, model_dir: str | None):
     if model_dir and os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
         from transformers import AutoImageProcessor
 
-        return AutoImageProcessor.from_pretrained(model_dir)
+        try:
+            return AutoImageProcessor.from_pretrained(model_dir)
+        except (ValueError, ImportError, OSError) as e:  # e.g. a processor class this transformers lacks
+            logger.warning("could not load %s's image processor (%s); using CLIP preprocessing", model_dir, e)
     try:
         from transformers import CLIPImageProcessorPil as cls  # no torchvision needed
     except ImportError:  # older transformers: the PIL one is the default
