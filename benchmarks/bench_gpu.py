@@ -391,8 +391,9 @@ def bench_runner_shared(eng, mb: dict):
     eng.flush_cache()
     mr = eng.scheduler.model_runner
     _random_kv(mr)
-    bs, prefix, unique = 128, 1024, 65
+    prefix, unique = 1024, 65
     ctx = prefix + unique
+    bs = 128 if mr.max_total_num_tokens >= 128 * ctx else 96  # the private variant must fit the pool
     res = {}
     for shared in (True, False):
         rows = [mr.req_to_token_pool.alloc() for _ in range(bs)]
@@ -424,7 +425,8 @@ def bench_runner_shared(eng, mb: dict):
         res["floor_shared_s"] = (mb["weight_bytes"] + (prefix + bs * unique) * mb["kv_bytes_per_token"]) / bw
         res["floor_private_s"] = (mb["weight_bytes"] + bs * ctx * mb["kv_bytes_per_token"]) / bw
     eng.flush_cache()
-    RESULT.setdefault("ours", {})["runner_shared_bs128"] = res
+    res["bs"] = bs
+    RESULT.setdefault("ours", {})["runner_shared"] = res
 
 
 @section("cpu_profile")
@@ -540,16 +542,38 @@ def bench_offline(eng, vocab: int, max_req: int, key: str = "offline_1k_1k"):
     sp = {"max_new_tokens": 1024, "ignore_eos": True, "temperature": 0}
     eng.flush_cache()
     before = eng.get_stats()
+    # Per scheduler step: wall seconds and what ran (to split prefill from decode and see decode vs context).
+    sched = eng.scheduler
+    orig_step, steps = sched.step, []
+
+    def timed_step():
+        st = sched.stats
+        n_pre, n_dec = st.num_prefill_batches, st.num_decode_batches
+        t0 = time.perf_counter()
+        r = orig_step()
+        steps.append((time.perf_counter() - t0, st.num_prefill_batches - n_pre, st.num_decode_batches - n_dec))
+        return r
+
+    sched.step = timed_step
     t = time.perf_counter()
-    out = eng.generate(input_ids=prompts, sampling_params=sp)
+    try:
+        out = eng.generate(input_ids=prompts, sampling_params=sp)
+    finally:
+        sched.step = orig_step
     t = time.perf_counter() - t
     after = eng.get_stats()
     toks = sum(len(o["output_ids"]) for o in out)
+    prefill_s = sum(dt for dt, p, _ in steps if p)
+    dec = [dt for dt, p, d in steps if d and not p]
+    quarters = [statistics.mean(dec[i * len(dec) // 4:(i + 1) * len(dec) // 4]) for i in range(4)] if len(dec) >= 4 else []
+    log(f"   {len(steps)} steps: prefill {prefill_s:.2f} s; {len(dec)} decode steps {sum(dec):.2f} s, "
+        f"mean ms per quarter of the run {[round(q * 1e3, 2) for q in quarters]}")
     RESULT.setdefault("ours", {})[key] = {
         "num_requests": n, "time_s": t, "output_tokens": toks, "output_tok_per_s": toks / t,
         "retractions": after["num_retractions"] - before["num_retractions"],
         "decode_batches": after["num_decode_batches"] - before["num_decode_batches"],
         "forward_seconds": after["forward_seconds"] - before["forward_seconds"],
+        "prefill_step_s": prefill_s, "decode_step_s_total": sum(dec), "decode_step_ms_by_quarter": [q * 1e3 for q in quarters],
     }
     log(f"{key}: {n} requests, {toks} tokens in {t:.1f} s = {toks / t:.0f} tok/s "
         f"(forward {after['forward_seconds'] - before['forward_seconds']:.1f} s)")
@@ -652,6 +676,48 @@ def bench_attn_sweep(name: str):
     table_.update(chosen)
     log(f"decode attention configs now {table_}")
     RESULT["attn_sweep"] = {"runs": res, "chosen": chosen}
+
+
+@section("attn_large")
+def bench_attn_large(name: str):
+    """Decode attention at the offline workload's shape (batch 56, 1-2k context): splits x launch configs."""
+    from sglang_backend.runtime.layers.attention.triton_ops import decode_attention as da
+
+    cfg = MODELS[name]["config"]
+    dtype = getattr(torch, MODELS[name]["dtype"])
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg["hidden_size"] // H
+    bs, res = 56, []
+    configs = [(bn, w, st, False) for bn in (64, 128) for w in (4, 8) for st in (1, 2, 3)]
+    for ctx in (1536, 2048):
+        n_slots = bs * ctx + 1
+        kv = [(torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype),
+               torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype)) for _ in range(2)]
+        r2t = (torch.arange(bs * ctx, device="cuda") + 1).view(bs, ctx)
+        rows = torch.arange(bs, device="cuda")
+        seq = torch.full((bs,), ctx, device="cuda")
+        q = torch.randn(bs, H, D, device="cuda", dtype=dtype)
+        o = torch.empty_like(q)
+        nbytes = 2 * bs * ctx * Hkv * D * q.element_size()
+        for splits in (1, 2, 4):
+            mid_o = torch.empty(bs, H, splits, D, device="cuda", dtype=torch.float32)
+            mid_lse = torch.empty(bs, H, splits, device="cuda", dtype=torch.float32)
+            for c in configs:
+                try:
+                    fns = [(lambda k=k, v=v: da.decode_attention_fwd(q, k, v, o, r2t, rows, seq, mid_o, mid_lse,
+                                                                      splits, D**-0.5, c)) for k, v in kv]
+                    t = graph_time(fns)
+                except Exception as e:  # noqa: BLE001
+                    log(f"config {c} failed: {e!r}"[:200])
+                    continue
+                res.append({"ctx": ctx, "splits": splits, "config": list(c), "time_s": t, "Bps": nbytes / t})
+        best = sorted([r for r in res if r["ctx"] == ctx], key=lambda r: r["time_s"])
+        for r in best[:5] + best[-1:]:
+            log(f"attn bs={bs} ctx={ctx} splits={r['splits']} cfg={r['config']}: {r['time_s'] * 1e6:.1f} us "
+                f"{r['Bps'] / 1e12:.2f} TB/s")
+        del kv
+        torch.cuda.empty_cache()
+    RESULT["attn_large"] = res
 
 
 @section("gemv_sweep")
@@ -768,11 +834,23 @@ def table(name: str) -> str:
             hfr = hf.get("shared_prefix_req_per_s")
             rows.append([label, f"{s['req_per_s']:.1f} req/s", f"HF bs32 {hfr:.1f} req/s" if hfr else "HF -",
                          f"{s['req_per_s'] / hfr:.1f}x HF" if hfr else "-", f"{s['time_s']:.2f} s"])
-    for key, label in (("offline_1k_1k", "offline 1k in / 1k out"), ("offline_1k_1k_patched", "1k/1k + sched patch")):
+    rs = o.get("runner_shared")
+    if rs:
+        rows.append([f"decode bs={rs['bs']} shared 1k prefix (cascade)", ms(rs["shared"]),
+                     f"private prefixes {ms(rs['private'])}", f"{rs['private'] / rs['shared']:.2f}x faster",
+                     f"floor shared {ms(rs.get('floor_shared_s'))}, private {ms(rs.get('floor_private_s'))}"])
+    for key, label in (("offline_1k_1k", "offline 1k in / 1k out"),
+                       ("offline_1k_1k_no_overlap", "1k/1k, overlap off"),
+                       ("offline_1k_1k_patched", "1k/1k + sched patch")):
         f = o.get(key)
         if f:
             rows.append([label, f"{f['output_tok_per_s']:.0f} tok/s", f"{f['num_requests']} requests",
                          f"{f['time_s']:.1f} s", f"retractions {f['retractions']}"])
+    for bs in (1, 64):
+        e = o.get(f"engine_decode_step_bs{bs}_s_no_overlap")
+        if e:
+            rows.append([f"engine decode bs={bs}, overlap off", ms(e), f"overlap on {ms(o.get(f'engine_decode_step_bs{bs}_s'))}",
+                         "-", "whole engine loop per step"])
     for bs in (1, 64):
         e = o.get(f"engine_decode_step_bs{bs}_s_patched")
         if e:
@@ -824,6 +902,8 @@ def main(argv=None):
         bench_attn_sweep(name)
     if "gemv_sweep" in only:
         bench_gemv_sweep(name)
+    if "attn_large" in only:
+        bench_attn_large(name)
     if "hf" in only:
         bench_hf(name, args)
     model_dir = make_model_dir(name)
@@ -845,6 +925,15 @@ def main(argv=None):
             bench_shared(eng, vocab, "shared_prefix")
         if "offline" in only:
             bench_offline(eng, vocab, args.offline_max_requests)
+        close_engine(eng)
+        eng = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "no_overlap" in only:  # ablation: the synchronous scheduler loop
+        eng = make_engine(model_dir, spec["dtype"], mem_fraction_static=args.mem_fraction_static,
+                          disable_overlap_schedule=True)
+        bench_engine_decode(eng, vocab, "_no_overlap")
+        bench_offline(eng, vocab, args.offline_max_requests, "offline_1k_1k_no_overlap")
         close_engine(eng)
         eng = None
         gc.collect()

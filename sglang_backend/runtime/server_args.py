@@ -45,6 +45,7 @@ class ServerArgs:
     # Runtime
     attention_backend: str = field(default="torch_native", metadata={"help": "Attention kernels", "choices": ATTENTION_BACKENDS})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "GPU: no CUDA graphs for decode"})
+    disable_overlap_schedule: bool = field(default=False, metadata={"help": "GPU: do not overlap the host work of a decode step with the next step's GPU work"})
     disable_cascade_attention: bool = field(default=False, metadata={"help": "Triton decode: attend each request's whole KV, not the batch's shared prefix once"})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model over this many GPUs (or CPU processes, gloo)"})
     check_pool_on_idle: bool = field(default=False, metadata={"help": "Raise if the KV pool is not whole when idle (tests)"})

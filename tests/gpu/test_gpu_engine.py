@@ -107,6 +107,47 @@ def test_cascade_decode_matches_torch_native(peaked_model_dir, dtype):
         _same_greedy(ref_ids, ref_top, out2, dtype, f"triton {kwargs}, cached prefixes")
 
 
+def test_overlap_schedule_matches_sync(peaked_model_dir):
+    """Overlapped decode (the host work of step N during step N+1) gives the same tokens, finish reasons and
+    KV accounting as the synchronous loop: mixed max_new_tokens, stop tokens hit mid-way, streaming, and
+    sampling with seeds."""
+    from sglang_backend import Engine
+
+    prompts = _prompts() + _shared_prompts()
+
+    def params(ref=None):
+        out = []
+        for i in range(len(prompts)):
+            sp = {"max_new_tokens": [1, 2, 7, 32][i % 4], "temperature": 0}
+            if i % 3 == 1:
+                sp = {"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.9, "seed": i}
+            if ref is not None and i % 5 == 2 and len(ref[i]["output_ids"]) > 4:
+                sp["stop_token_ids"] = [ref[i]["output_ids"][3]]  # ends the request mid-way
+            out.append(sp)
+        return out
+
+    results = {}
+    for overlap in (False, True):
+        eng = Engine(model_path=peaked_model_dir, device="cuda", dtype="float16", attention_backend="triton",
+                     max_total_tokens=65536, max_running_requests=32, check_pool_on_idle=True, log_level="warning",
+                     disable_overlap_schedule=not overlap)
+        try:
+            assert (eng.scheduler.overlap is not None) == overlap
+            ref = eng.generate(input_ids=prompts, sampling_params=params())
+            out = eng.generate(input_ids=prompts, sampling_params=params(ref))
+            streamed = [c for c in eng.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 9,
+                                                                                      "temperature": 0}, stream=True)]
+            eng.check_pool_whole()
+            results[overlap] = ([r["output_ids"] for r in ref], [r["output_ids"] for r in out],
+                                [r["meta_info"]["finish_reason"] for r in out], streamed[-1]["output_ids"])
+        finally:
+            eng.shutdown()
+            del eng
+            gc.collect()
+            torch.cuda.empty_cache()
+    assert results[True] == results[False]
+
+
 def _extend_logits(model_dir, dtype, fused: bool):
     """Logits of a 3-request prefill through ModelRunner (triton attention), fused layer kernels on or off."""
     from sglang_backend.runtime.engine import load_model_assets

@@ -34,6 +34,33 @@ class PoolNotWholeError(AssertionError):
     pass
 
 
+def split_batch(batch: ScheduleBatch) -> list[ScheduleBatch]:
+    """One single-request batch per request (same KV slots, logit rows re-based to the request's tokens)."""
+    if batch.forward_mode.is_decode():
+        return [ScheduleBatch([r], batch.forward_mode, out_cache_loc=batch.out_cache_loc[i : i + 1])
+                for i, r in enumerate(batch.reqs)]
+    out, offset = [], 0
+    for req, p, e, rows in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.logit_rows):
+        out.append(ScheduleBatch([req], batch.forward_mode, [p], [e], batch.out_cache_loc[offset : offset + e],
+                                 [[r - offset for r in rows]]))
+        offset += e
+    return out
+
+
+def merge_batches(parts: list[ScheduleBatch], mode: ForwardMode) -> ScheduleBatch:
+    """The inverse of split_batch for the parts that survived."""
+    merged = ScheduleBatch([], mode, out_cache_loc=torch.cat([b.out_cache_loc for b in parts]) if parts else None)
+    offset = 0
+    for b in parts:
+        merged.reqs += b.reqs
+        if not mode.is_decode():
+            merged.prefix_lens += b.prefix_lens
+            merged.extend_lens += b.extend_lens
+            merged.logit_rows += [[r + offset for r in rows] for rows in b.logit_rows]
+            offset += sum(b.extend_lens)
+    return merged
+
+
 @dataclass
 class SchedulerStats:
     num_prompt_tokens: int = 0
@@ -93,7 +120,13 @@ class Scheduler:
         self.just_aborted: list[Req] = []  # ended by the scheduler itself; reported with the next step
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
+        from .fault_injection import FaultInjector
+
+        self.fault_injector = FaultInjector.from_env()  # tests only; None in normal runs
         self.request_log: list[Req] | None = None  # benchmarks set a list to record every request added
+        from .overlap import OverlapDecoder
+
+        self.overlap = OverlapDecoder(self) if OverlapDecoder.supported(server_args, self.device) else None
 
     @staticmethod
     def _eos_ids(config, tokenizer) -> set[int]:
@@ -184,6 +217,13 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Runs one batch. Returns the requests that got new output (tokens or a finish) in this step."""
         out = self._poll_grammars() if self.grammar_queue else []
+        if self.overlap is not None:
+            if self.overlap.can_run():
+                out += self.overlap.step()  # plain decode: host work overlaps the GPU step
+                if self.just_aborted:
+                    out, self.just_aborted = out + self.just_aborted, []
+                return out
+            out += self.overlap.drain()  # anything else sees the running batch up to date
         batch = self._get_new_batch_prefill()
         if batch is not None:
             out += self._run_extend(batch)
@@ -350,7 +390,7 @@ class Scheduler:
                              torch.cat(locs) if locs else torch.empty(0, dtype=torch.int64), logit_rows)
 
     def _run_extend(self, batch: ScheduleBatch) -> list[Req]:
-        logits = self._forward(batch)
+        batch, logits = self._forward_contained(batch)
         self.stats.num_prefill_batches += 1
         outputs: list[Req] = []
         sample_reqs, sample_rows = [], []
@@ -416,12 +456,16 @@ class Scheduler:
                 per_req.append(loc)
             locs = torch.cat(per_req)
         batch = ScheduleBatch(reqs, ForwardMode.DECODE, out_cache_loc=locs)
-        logits = self._forward(batch)
+        batch, logits = self._forward_contained(batch)
+        reqs = batch.reqs
         for req in reqs:
             req.kv_len += 1
         self.stats.num_decode_batches += 1
-        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        self.decay_new_token_ratio()
         return self._sample_and_advance(list(reqs), logits, new_running=False)
+
+    def decay_new_token_ratio(self) -> None:
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
 
     def _decode_need(self) -> int:
         if self.page_size == 1:
@@ -454,6 +498,8 @@ class Scheduler:
 
     # Shared by prefill and decode -------------------------------------------------------------------------
     def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        if self.fault_injector is not None:
+            self.fault_injector.before_forward(batch.reqs)
         fb = batch.to_forward_batch(self.device)
         t0 = time.perf_counter()
         logits = self.model_runner.forward(fb)
@@ -461,7 +507,62 @@ class Scheduler:
         self.stats.num_forward_tokens += len(fb.input_ids)
         return logits
 
+    # Fault containment: a failure that belongs to one request fails that request only ----------------------
+    def _forward_contained(self, batch: ScheduleBatch) -> tuple[ScheduleBatch, torch.Tensor]:
+        """Runs the batch. If the forward raises, each request is re-run alone (a forward writes only its own
+        tokens' KV slots, so re-running is harmless); those that fail again are failed with a 500, the others
+        go on as if nothing happened. Returns the surviving batch and its logits."""
+        try:
+            return batch, self._forward(batch)
+        except Exception as e:  # noqa: BLE001 - contained below; unrelated bugs still surface in the log
+            logger.exception("forward of a batch of %d failed; isolating the failing request(s)", len(batch.reqs))
+            first_error = e
+        kept, parts = [], []
+        for sub in split_batch(batch) if len(batch.reqs) > 1 else []:
+            try:
+                parts.append(self._forward(sub))
+                kept.append(sub)
+            except Exception as e:  # noqa: BLE001
+                self._fail_request(sub.reqs[0], f"the model failed on this request ({type(e).__name__})",
+                                   decode_slot=batch.forward_mode.is_decode())
+        if len(batch.reqs) == 1:
+            self._fail_request(batch.reqs[0], f"the model failed on this request ({type(first_error).__name__})",
+                               decode_slot=batch.forward_mode.is_decode())
+        logits = torch.cat(parts) if parts else torch.empty(0, self.model_runner.vocab_size, device=self.device)
+        return merge_batches(kept, batch.forward_mode), logits
+
+    def _fail_request(self, req: Req, message: str, decode_slot: bool = False) -> None:
+        """Ends one request with an internal error. Its own KV may be garbage, so it is freed, never shared
+        through the tree; ``decode_slot``: the slot allocated for this decode step is freed too."""
+        logger.error("request %s failed: %s", req.rid, message)
+        req.finished_reason = finish_abort(message, 500)
+        if req in self.running:
+            self.running.remove(req)
+        if req.req_pool_idx is not None:
+            n_prefix = len(req.prefix_indices)
+            end = req.kv_len + (1 if decode_slot else 0)
+            self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, n_prefix:end].clone())
+            self.tree_cache.cache_finished_req(req, req.all_ids[:n_prefix])  # unlocks the prefix, frees the row
+        self.stats.num_aborted += 1
+        self.just_aborted.append(req)
+
+    def _drop_non_finite(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[Req], torch.Tensor]:
+        """NaN/inf logits (a numerically broken forward for some rows) fail those requests only."""
+        if self.fault_injector is not None:
+            logits = self.fault_injector.corrupt_logits(reqs, logits)
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        if all(finite):
+            return reqs, logits
+        for req, ok in zip(reqs, finite):
+            if not ok:
+                self._fail_request(req, "the model produced non-finite logits (NaN or inf) for this request")
+        keep = [i for i, ok in enumerate(finite) if ok]
+        return [reqs[i] for i in keep], logits[keep]
+
     def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor, new_running: bool) -> list[Req]:
+        reqs, logits = self._drop_non_finite(reqs, logits)
+        if not reqs:
+            return []
         info = SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs], [r.text_input_ids for r in reqs], [r.output_ids for r in reqs],
             [r.generator for r in reqs], self.eos_token_ids, self.model_runner.vocab_size, self.device)
@@ -573,6 +674,8 @@ class Scheduler:
 
     # Maintenance ------------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
+        if self.overlap is not None:
+            self.overlap.drain()
         if self.has_work():
             return False
         self.tree_cache.reset()

@@ -89,7 +89,11 @@ class MirroredReqToTokenPool(ReqToTokenPool):
             offsets = torch.cumsum(lens, 0) - lens
             cols = starts.repeat_interleave(lens) + torch.arange(int(lens.sum())) - offsets.repeat_interleave(lens)
         vals = self.req_to_token[rows, cols]
-        packed = torch.stack([rows, cols, vals]).to(self.device_table.device)
+        packed = torch.stack([rows, cols, vals])
+        if self.device_table.is_cuda:  # pinned + non_blocking: the copy does not wait for queued GPU work
+            packed = packed.pin_memory().to(self.device_table.device, non_blocking=True)
+        else:
+            packed = packed.to(self.device_table.device)
         self.device_table[packed[0], packed[1]] = packed[2]
 
 

@@ -1,0 +1,167 @@
+"""Overlapped decode (GPU): the host work of decode step N (reading its tokens, stop checks, finishing requests,
+radix bookkeeping, delivering outputs) runs while the GPU computes step N+1.
+
+Step N+1 is launched before step N's tokens reach the host: its input ids are step N's sampled ids, still on
+the device, and every host-to-device copy of the launch goes through pinned memory, so nothing in it waits for
+the GPU. Consequences, all handled here:
+
+* a request whose step-N token ends it (eos, stop token or string) had one more token computed in step N+1;
+  that token is dropped (its KV slot is the one of the step-N token, which is valid and goes to the tree);
+* a request that step N takes to its length limit is known to end without its token, so it is left out of
+  step N+1;
+* non-finite logits are detected on the device and read back with the tokens (the request fails alone).
+
+Only batches whose sampling needs nothing from the host per step qualify (no grammar, logprobs, penalties,
+logit bias or pending ``min_new_tokens``), with page size 1; the scheduler drains the step in flight before
+anything else touches the running batch (prefill, retraction, grammar or tensor-parallel work).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.sampler import SamplingBatchInfo
+from ..model_executor.forward_batch import ForwardBatch, ForwardMode
+from .schedule_batch import Req
+
+
+@dataclass
+class InflightDecode:
+    reqs: list[Req]
+    next_ids: torch.Tensor  # [bs] on the device: the next step's input
+    host: torch.Tensor  # [2, bs] pinned: next ids and "logits were finite", copied without blocking
+    ready: torch.cuda.Event
+
+
+def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
+    """Host -> GPU copy that does not wait for the work already queued on the stream (pinned source)."""
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class OverlapDecoder:
+    def __init__(self, scheduler):
+        self.sched = scheduler
+        self.inflight: InflightDecode | None = None
+        self._info_key: tuple | None = None
+        self._info: SamplingBatchInfo | None = None
+
+    @staticmethod
+    def supported(server_args, device) -> bool:
+        return (str(device).startswith("cuda") and not server_args.disable_overlap_schedule
+                and server_args.page_size == 1 and getattr(server_args, "tp_size", 1) == 1)
+
+    @staticmethod
+    def eligible(req: Req) -> bool:
+        sp = req.sampling_params
+        return (req.grammar is None and not req.return_logprob and not sp.logit_bias
+                and sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
+                and len(req.output_ids) >= sp.min_new_tokens)
+
+    def can_run(self) -> bool:
+        s = self.sched
+        return (bool(s.running) and not s.waiting_queue and s.chunked_req is None and not s.grammar_queue
+                and s.fault_injector is None and all(self.eligible(r) for r in s.running)
+                and len(s.running) <= s._available_tokens())
+
+    # The step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Launches the next decode step, then finishes the one in flight. Returns requests with new output."""
+        s = self.sched
+        prev = self.inflight
+        lagging = {id(r): i for i, r in enumerate(prev.reqs)} if prev is not None else {}
+        launch, src = [], []
+        for r in s.running:
+            i = lagging.get(id(r))
+            if i is not None and (len(r.output_ids) + 1 >= r.sampling_params.max_new_tokens
+                                  or r.seq_len + 1 >= s.context_len):
+                continue  # its token in flight ends it by length: nothing to compute after it
+            launch.append(r)
+            src.append(i)
+        self.inflight = self._launch(launch, src, prev) if launch else None
+        out = self._finish(prev) if prev is not None else []
+        if self.inflight is not None and all(r.finished() for r in self.inflight.reqs):
+            self.inflight = None  # every row of it is dropped anyway
+        return out
+
+    def drain(self) -> list[Req]:
+        """Finishes the step in flight (before the scheduler does anything else)."""
+        prev, self.inflight = self.inflight, None
+        return self._finish(prev) if prev is not None else []
+
+    def _launch(self, reqs: list[Req], src: list[int | None], prev: InflightDecode | None) -> InflightDecode:
+        s = self.sched
+        dev = s.device
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        locs = s._alloc_slots(len(reqs), -1)
+        assert locs is not None, "decode allocation failed after the memory check"
+        s.req_to_token_pool.write_tokens(rows, positions, locs)
+        if prev is not None and None not in src:
+            same = len(src) == prev.next_ids.shape[0] and src == list(range(len(src)))
+            input_ids = prev.next_ids if same else prev.next_ids[to_device_async(torch.tensor(src), dev)]
+        else:  # some requests' last token is already on the host (none in flight for them)
+            host_ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs]
+            input_ids = to_device_async(torch.tensor(host_ids, dtype=torch.int64), dev)
+            lag = [k for k, i in enumerate(src) if i is not None]
+            if lag:
+                input_ids[to_device_async(torch.tensor(lag), dev)] = \
+                    prev.next_ids[to_device_async(torch.tensor([src[k] for k in lag]), dev)]
+        seq_lens = positions + 1
+        # One pinned copy for the batch's index tensors.
+        packed = torch.stack([positions, locs.to(torch.int64), rows, seq_lens, torch.arange(len(reqs))])
+        d_positions, d_locs, d_rows, d_seq_lens, d_rows_idx = to_device_async(packed, dev).unbind(0)
+        fb = ForwardBatch(ForwardMode.DECODE, input_ids, d_positions, d_locs, d_rows, d_seq_lens, seq_lens.tolist(),
+                          logits_indices=d_rows_idx)
+        t0 = time.perf_counter()
+        logits = s.model_runner.forward(fb)
+        s.stats.forward_seconds += time.perf_counter() - t0
+        s.stats.num_forward_tokens += len(reqs)
+        for r in reqs:
+            r.kv_len += 1
+        s.stats.num_decode_batches += 1
+        s.decay_new_token_ratio()
+        next_ids = self._sample(reqs, logits)
+        host = torch.empty((2, len(reqs)), dtype=torch.int64, pin_memory=True)
+        host.copy_(torch.stack([next_ids, torch.isfinite(logits).all(dim=-1).to(torch.int64)]), non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return InflightDecode(reqs, next_ids, host, ready)
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
+        if all(r.sampling_params.is_greedy for r in reqs):
+            return torch.argmax(logits, dim=-1)
+        key = tuple(map(id, reqs))
+        if key != self._info_key:  # nothing in it depends on the tokens: rebuilt only when the batch changes
+            s = self.sched
+            self._info = SamplingBatchInfo.from_requests(
+                [r.sampling_params for r in reqs], [r.text_input_ids for r in reqs], [r.output_ids for r in reqs],
+                [r.generator for r in reqs], s.eos_token_ids, s.model_runner.vocab_size, s.device)
+            self._info_key = key
+        return self.sched.sampler(logits, self._info)
+
+    def _finish(self, step: InflightDecode) -> list[Req]:
+        s = self.sched
+        step.ready.synchronize()
+        ids, finite = step.host.tolist()
+        now = time.monotonic()
+        out = []
+        for req, tok, ok in zip(step.reqs, ids, finite):
+            if req.finished():
+                continue  # aborted meanwhile, or ended by its previous token: this one is dropped
+            if not ok:
+                s._fail_request(req, "the model produced non-finite logits (NaN or inf) for this request")
+                continue
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            s._check_finished(req)
+            out.append(req)
+        s.stats.num_generated_tokens += len(out)
+        for req in out:
+            if req.finished():
+                s.running.remove(req)
+                s._release(req)
+        return out
