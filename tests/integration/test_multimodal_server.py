@@ -110,3 +110,28 @@ def test_image_to_text_only_model(http):
     chat = http.post("/v1/chat/completions", json={"model": "default", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(0)}}]}]})
     assert chat.status_code == 400 and "takes no images" in chat.json()["error"]["message"]
+
+
+def test_dsl_over_http_sends_local_images_and_video_frames(llava_server, client, tmp_path):
+    """The server does not read client files: the DSL's endpoint backend sends them as data URLs."""
+    from PIL import Image
+
+    from sglang_backend import RuntimeEndpoint, function, gen, image, video
+    from tests.unit.test_llava import write_video
+
+    path = str(tmp_path / "pic.png")
+    Image.fromarray(np.random.default_rng(9).integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(path)
+    clip = str(tmp_path / "clip.mp4")
+    write_video(clip)
+
+    @function
+    def ask(s, media):
+        s += "Look: " + media + " Answer:" + gen("a", max_tokens=4, temperature=0)
+
+    backend = RuntimeEndpoint(llava_server.url, api_key=API_KEY)
+    first = ask.run(media=image(path), backend=backend)
+    again = ask.run(media=image(path), backend=backend)
+    assert again["a"] == first["a"]
+    assert again.get_meta_info("a")["cached_tokens"] == again.get_meta_info("a")["prompt_tokens"] - 1
+    frames = ask.run(media=video(clip, 3), backend=backend)
+    assert frames.get_meta_info("a")["prompt_tokens"] > 3 * 16
