@@ -103,8 +103,12 @@ def free_memory() -> None:
 def run_ours(model_dir: str, has_weights: bool, prompts, images, args, radix: bool) -> dict:
     from sglang_backend import Engine
 
+    import torch
+
+    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     kwargs = dict(device=args.device, dtype=args.dtype, disable_radix_cache=not radix, log_level="warning",
-                  mem_fraction_static=args.mem_fraction_static, random_seed=0)
+                  mem_fraction_static=args.mem_fraction_static, random_seed=0,
+                  attention_backend="triton" if on_gpu else "torch_native")
     if not has_weights:
         kwargs["load_format"] = "dummy"
     engine = Engine(model_path=model_dir, **kwargs)
