@@ -2,11 +2,21 @@
 
 Every error a client can cause is a 4xx with an OpenAI-style body {"error": {"message", "type", "param",
 "code"}}; internal failures are 5xx without stack traces.
+
+Hostile-input and overload defences (README "Reliability and security"): request bodies are capped
+(``--max-request-body-bytes``, 413) and parsed JSON is checked for depth and invalid Unicode before any model
+sees it; tokenizing, chat templating and grammar compilation run on a worker thread so one heavy request
+never stalls the event loop; past ``max_running_requests + max_queued_requests`` requests in flight new ones
+get 503 + Retry-After; ``--request-timeout`` aborts slow requests (504). Request ids are scoped to the
+credential that sent them (the Authorization header), so one client cannot abort another's request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -20,7 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..managers.detokenizer_manager import format_logprob_pairs
-from ..managers.tokenizer_manager import GenerateInput, ServerUnavailable, TokenizerManager
+from ..managers.tokenizer_manager import GenerateInput, Overloaded, RequestFailed, ServerUnavailable, TokenizerManager
+from ..managers.validation import MAX_PROMPTS_PER_REQUEST, check_text
 from .metrics import ServerMetrics
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
@@ -28,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 OPEN_ROUTES = {"/health", "/health_generate"}
 DISCONNECT_POLL_S = 0.5
+MAX_JSON_DEPTH = 64
+RETRY_AFTER_S = 1
+PIPELINE_DEATH_GRACE_S = 1.0  # after a pipeline process dies: time for error replies to reach clients before exit
 
 
 class APIError(Exception):
@@ -36,8 +50,70 @@ class APIError(Exception):
         self.message, self.status, self.err_type, self.param = message, status, err_type, param
 
 
-def error_response(message: str, status: int = 400, err_type: str = "invalid_request_error", param=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": err_type, "param": param, "code": status}}, status_code=status)
+def error_response(message: str, status: int = 400, err_type: str = "invalid_request_error", param=None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": err_type, "param": param, "code": status}}, status_code=status,
+                        headers=headers)
+
+
+def error_body(exc: Exception) -> dict:
+    """The OpenAI-style error of a pipeline-side failure (for JSON replies and SSE error events)."""
+    if isinstance(exc, Overloaded):
+        return {"message": f"server overloaded: {exc}; retry later", "type": "server_error", "code": 503}
+    if isinstance(exc, ServerUnavailable):
+        return {"message": f"server unavailable: {exc}", "type": "server_error", "code": 503}
+    if isinstance(exc, RequestFailed):
+        return {"message": str(exc), "type": "timeout_error" if exc.status == 504 else "server_error", "code": exc.status}
+    if isinstance(exc, TimeoutError):
+        return {"message": "the scheduler did not answer in time", "type": "timeout_error", "code": 504}
+    return {"message": "internal server error", "type": "internal_error", "code": 500}
+
+
+def json_body(schema) -> dict:
+    """``openapi_extra`` that documents a route's JSON body (the handlers read raw JSON themselves, to
+    control every error). A pydantic model's ``$defs`` are inlined so the schema stands alone."""
+    if hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    defs = schema.get("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
+def request_owner(request: Request) -> str:
+    """Who sent a request: a digest of its credential (the Authorization header; "" when there is none).
+    Request ids live in this owner's namespace only."""
+    auth = request.headers.get("authorization")
+    return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:32] if auth else ""
+
+
+def check_json_value(data: Any) -> None:
+    """Iterative walk (no recursion to exhaust): nesting at most MAX_JSON_DEPTH, and every string valid
+    Unicode (JSON escapes can smuggle in lone surrogates, which no tokenizer or encoder accepts)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, depth + 1))
+                stack.append((v, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value if isinstance(v, (str, list, dict)))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError("request body contains a string that is not valid Unicode (a lone surrogate escape)") from None
 
 
 def create_app(tm: TokenizerManager, server_args) -> FastAPI:
@@ -66,6 +142,15 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     async def _http_error(_, exc: StarletteHTTPException):
         return error_response(str(exc.detail), exc.status_code, "not_found_error" if exc.status_code == 404 else "invalid_request_error")
 
+    @app.exception_handler(ServerUnavailable)
+    @app.exception_handler(Overloaded)
+    @app.exception_handler(RequestFailed)
+    @app.exception_handler(TimeoutError)
+    async def _pipeline_error(_, exc: Exception):
+        err = error_body(exc)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, Overloaded) else None
+        return error_response(err["message"], err["code"], err["type"], headers=headers)
+
     @app.exception_handler(Exception)
     async def _internal_error(_, exc: Exception):
         logger.exception("internal error")
@@ -73,15 +158,27 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
 
     if server_args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes)
+    # One worker thread for tokenizing, chat templates and grammar compilation: CPU-heavy request preparation
+    # stays off the event loop (streams, health checks and aborts keep flowing) and the tokenizer is never
+    # used from two threads at once.
+    prep_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
+
+    async def off_loop(fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(prep_pool, functools.partial(fn, *args, **kwargs))
 
     async def read_json(request: Request) -> Any:
         body = await request.body()
         try:
-            return json.loads(body.decode("utf-8"))
+            data = json.loads(body.decode("utf-8"))
         except UnicodeDecodeError:
             raise APIError("request body is not valid UTF-8")
         except json.JSONDecodeError as e:
             raise APIError(f"request body is not valid JSON: {e}")
+        except RecursionError:
+            raise APIError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        check_json_value(data)
+        return data
 
     def parse(model_cls, data):
         from pydantic import ValidationError
@@ -96,37 +193,70 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             raise APIError(f"The model {name!r} does not exist; this server serves {model_name!r}", 404,
                            "not_found_error", "model")
 
-    def prepare(**kwargs) -> GenerateInput:
+    def check_count(n: int) -> None:
+        if n > MAX_PROMPTS_PER_REQUEST:
+            raise APIError(f"one request may carry at most {MAX_PROMPTS_PER_REQUEST} prompts x n, got {n}")
+
+    async def prepare_all(request: Request, items: list[dict]) -> list[GenerateInput]:
+        """Tokenizes and validates every prompt of one HTTP request (off the event loop), then checks the
+        queue bound for all of them together."""
+        check_count(len(items))
+        owner = request_owner(request)
+
+        def work():
+            return [tm.prepare(**kw, owner=owner) for kw in items]
+
         try:
-            return tm.prepare(**kwargs)
-        except ServerUnavailable as e:
-            raise APIError(f"server unavailable: {e}", 503, "server_error")
+            gis = await off_loop(work)
         except ValueError as e:
             raise APIError(str(e))
+        tm.check_capacity(len(gis))
+        return gis
 
-    async def run_to_end(request: Request, gi: GenerateInput) -> dict:
-        """Runs one request; if the client disconnects first, cancelling aborts it and frees its KV."""
-        async def consume():
+    async def run_all(request: Request, gis: list[GenerateInput]) -> list[dict]:
+        """Runs requests to the end; if the client disconnects first (or one of them fails), the others are
+        cancelled, which aborts them and frees their KV."""
+        async def consume(gi):
             last = None
             async for out in tm.generate(gi):
                 last = out
             return last
 
-        task = asyncio.create_task(consume())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                raise APIError("client disconnected", 499)
+        tasks = [asyncio.create_task(consume(gi)) for gi in gis]
         try:
-            return task.result()
-        except ServerUnavailable as e:
-            raise APIError(f"server unavailable: {e}", 503, "server_error")
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
+                if pending and await request.is_disconnected():
+                    raise APIError("client disconnected", 499)
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """An SSE body that ends with an error event (not a broken connection) when the request fails."""
+        try:
+            async for event in events:
+                yield event
+        except (ServerUnavailable, RequestFailed) as e:
+            yield sse_event({"error": error_body(e)})
+        except Exception:  # noqa: BLE001 - never a stack trace to the client; the log has it
+            logger.exception("internal error in a stream")
+            yield sse_event({"error": error_body(RuntimeError())})
+        yield "data: [DONE]\n\n"
 
     # Native API ---------------------------------------------------------------------------------------------------
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=json_body(GenerateRequest))
     async def generate(request: Request):
         obj = parse(GenerateRequest, await read_json(request))
+        for flag in ("background", "return_hidden_states", "return_bytes", "return_entropy"):
+            if getattr(obj, flag):
+                raise APIError(f"{flag} is not supported by this server", param=flag)
+        check_model(obj.model)
         if (obj.text is None) == (obj.input_ids is None):
             raise APIError("give exactly one of text or input_ids")
         is_batch = isinstance(obj.text, list) or (obj.input_ids is not None and bool(obj.input_ids) and isinstance(obj.input_ids[0], list))
@@ -134,6 +264,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         n = len(items)
         if is_batch and n == 0:
             raise APIError("empty batch")
+        check_count(n)
 
         def per(value, name):
             if isinstance(value, list):
@@ -153,11 +284,12 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             raise APIError("stream=true takes a single prompt")
         # image_data: one prompt takes an image or a list of them; a batch takes one such entry per prompt.
         images = [obj.image_data] if not is_batch else per(obj.image_data, "image_data")
-        gis = []
+        kwargs = []
         for item, sp, lp, st, top, rid, im in zip(items, sps, lps, starts, tops, rids, images):
             text, ids = (item, None) if isinstance(item, str) else (None, item)
-            gis.append(prepare(text=text, input_ids=ids, sampling_params=sp, rid=rid, stream=obj.stream,
+            kwargs.append(dict(text=text, input_ids=ids, sampling_params=sp, rid=rid, stream=obj.stream,
                                return_logprob=bool(lp), logprob_start_len=st, top_logprobs_num=top, image_data=im))
+        gis = await prepare_all(request, kwargs)
         with_text = obj.return_text_in_logprobs
 
         def finish(out: dict) -> dict:
@@ -172,16 +304,11 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
 
         if obj.stream:
             async def sse():
-                try:
-                    async for out in tm.generate(gis[0]):
-                        yield f"data: {json.dumps(finish(out))}\n\n"
-                except ServerUnavailable as e:
-                    yield f"data: {json.dumps({'error': {'message': f'server unavailable: {e}', 'code': 503}})}\n\n"
-                yield "data: [DONE]\n\n"
+                async for out in tm.generate(gis[0]):
+                    yield sse_event(finish(out))
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
-        outs = await asyncio.gather(*[run_to_end(request, gi) for gi in gis])
-        outs = [finish(o) for o in outs]
+            return StreamingResponse(sse_stream(sse()), media_type="text/event-stream")
+        outs = [finish(o) for o in await run_all(request, gis)]
         return outs if is_batch else outs[0]
 
     # OpenAI-compatible API ------------------------------------------------------------------------------------------
@@ -299,23 +426,22 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
             raise APIError(f"the messages do not fit the model's chat template: {e}", param="messages")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await read_json(request))
         check_model(req.model)
         images: list = []
-        prompt = render_chat(req, images)
+        prompt = await off_loop(render_chat, req, images)
         sp = sampling_from_openai(req, req.max_completion_tokens or req.max_tokens)
         if req.response_format is not None and req.response_format.type != "text":
             sp.pop("regex", None)
             sp["json_schema"] = json.dumps(response_format_schema(req.response_format))
         top = req.top_logprobs or 0
         # With images, the tokenizer manager tokenizes the prompt and expands its image placeholders.
-        src = (dict(text=prompt, image_data=images, add_special_tokens=False) if images
-               else dict(input_ids=tm.tokenizer.encode(prompt, add_special_tokens=False)))
-        gis = [prepare(**src, sampling_params=s, stream=req.stream, return_logprob=req.logprobs,
-                       top_logprobs_num=top, rid=(f"{req.rid}-{i}" if req.rid and req.n > 1 else req.rid))
-               for i, s in enumerate(seeds_for(sp, req.n))]
+        src = dict(text=prompt, image_data=images or None, add_special_tokens=False)
+        gis = await prepare_all(request, [dict(**src, sampling_params=s, stream=req.stream, return_logprob=req.logprobs,
+                                               top_logprobs_num=top, rid=(f"{req.rid}-{i}" if req.rid and req.n > 1 else req.rid))
+                                          for i, s in enumerate(seeds_for(sp, req.n))])
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         name = req.model or model_name
@@ -326,28 +452,24 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
                 finals: dict[int, dict] = {}
                 first = {i: True for i in range(len(gis))}
                 lp_sent = [0] * len(gis)
-                try:
-                    async for i, out in merge_streams([tm.generate(gi) for gi in gis]):
-                        delta = {"content": out["text"]}
-                        if first[i]:
-                            delta["role"] = "assistant"
-                            first[i] = False
-                        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason(out)}
-                        if req.logprobs and sent_logprobs(out) > lp_sent[i]:
-                            choice["logprobs"] = chat_logprobs(out, top, lp_sent[i])
-                            lp_sent[i] = sent_logprobs(out)
-                        if choice["finish_reason"] is not None:
-                            finals[i] = out
-                        yield sse_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [choice]})
-                    if include_usage:
-                        yield sse_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
-                                         "choices": [], "usage": usage(list(finals.values()))})
-                except ServerUnavailable as e:
-                    yield sse_event({"error": {"message": f"server unavailable: {e}", "type": "server_error", "code": 503}})
-                yield "data: [DONE]\n\n"
+                async for i, out in merge_streams([tm.generate(gi) for gi in gis]):
+                    delta = {"content": out["text"]}
+                    if first[i]:
+                        delta["role"] = "assistant"
+                        first[i] = False
+                    choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason(out)}
+                    if req.logprobs and sent_logprobs(out) > lp_sent[i]:
+                        choice["logprobs"] = chat_logprobs(out, top, lp_sent[i])
+                        lp_sent[i] = sent_logprobs(out)
+                    if choice["finish_reason"] is not None:
+                        finals[i] = out
+                    yield sse_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [choice]})
+                if include_usage:
+                    yield sse_event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
+                                     "choices": [], "usage": usage(list(finals.values()))})
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
-        outs = await asyncio.gather(*[run_to_end(request, gi) for gi in gis])
+            return StreamingResponse(sse_stream(sse()), media_type="text/event-stream")
+        outs = await run_all(request, gis)
         choices = []
         for i, out in enumerate(outs):
             choice = {"index": i, "message": {"role": "assistant", "content": out["text"]},
@@ -356,7 +478,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         return {"id": cid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
                 "usage": usage(outs)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request):
         req = parse(CompletionRequest, await read_json(request))
         check_model(req.model)
@@ -372,16 +494,18 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             prompts = list(req.prompt)
         if not prompts:
             raise APIError("prompt is empty", param="prompt")
+        check_count(len(prompts) * req.n)
         sp = sampling_from_openai(req, req.max_tokens)
         top = req.logprobs or 0
-        gis = []
+        kwargs = []
         many = len(prompts) * req.n > 1
         for p in prompts:
             for s in seeds_for(sp, req.n):
                 text, ids = (p, None) if isinstance(p, str) else (None, p)
-                rid = f"{req.rid}-{len(gis)}" if req.rid and many else req.rid
-                gis.append(prepare(text=text, input_ids=ids, sampling_params=s, stream=req.stream,
+                rid = f"{req.rid}-{len(kwargs)}" if req.rid and many else req.rid
+                kwargs.append(dict(text=text, input_ids=ids, sampling_params=s, stream=req.stream,
                                    return_logprob=req.logprobs is not None, top_logprobs_num=top, rid=rid))
+        gis = await prepare_all(request, kwargs)
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         name = req.model or model_name
@@ -393,40 +517,41 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
                 finals: dict[int, dict] = {}
                 echoed = set()
                 lp_sent = [0] * len(gis)
-                try:
-                    async for i, out in merge_streams([tm.generate(gi) for gi in gis]):
-                        text = out["text"]
-                        if req.echo and i not in echoed:
-                            text, _ = echo_texts[i] + text, echoed.add(i)
-                        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason(out)}
-                        if req.logprobs is not None:
-                            choice["logprobs"] = completion_logprobs(out, lp_sent[i])
-                            lp_sent[i] = sent_logprobs(out)
-                        if choice["finish_reason"] is not None:
-                            finals[i] = out
-                        yield sse_event({"id": cid, "object": "text_completion", "created": created, "model": name, "choices": [choice]})
-                    if include_usage:
-                        outs = list(finals.values())
-                        yield sse_event({"id": cid, "object": "text_completion", "created": created, "model": name,
-                                         "choices": [], "usage": usage(outs, outs[:: req.n])})
-                except ServerUnavailable as e:
-                    yield sse_event({"error": {"message": f"server unavailable: {e}", "type": "server_error", "code": 503}})
-                yield "data: [DONE]\n\n"
+                async for i, out in merge_streams([tm.generate(gi) for gi in gis]):
+                    text = out["text"]
+                    if req.echo and i not in echoed:
+                        text, _ = echo_texts[i] + text, echoed.add(i)
+                    choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason(out)}
+                    if req.logprobs is not None:
+                        choice["logprobs"] = completion_logprobs(out, lp_sent[i])
+                        lp_sent[i] = sent_logprobs(out)
+                    if choice["finish_reason"] is not None:
+                        finals[i] = out
+                    yield sse_event({"id": cid, "object": "text_completion", "created": created, "model": name, "choices": [choice]})
+                if include_usage:
+                    outs = list(finals.values())
+                    yield sse_event({"id": cid, "object": "text_completion", "created": created, "model": name,
+                                     "choices": [], "usage": usage(outs, outs[:: req.n])})
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
-        outs = await asyncio.gather(*[run_to_end(request, gi) for gi in gis])
+            return StreamingResponse(sse_stream(sse()), media_type="text/event-stream")
+        outs = await run_all(request, gis)
         choices = [{"index": i, "text": echo_texts[i] + out["text"],
                     "logprobs": completion_logprobs(out) if req.logprobs is not None else None,
                     "finish_reason": finish_reason(out)} for i, out in enumerate(outs)]
         return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": choices,
                 "usage": usage(outs, outs[:: req.n])}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=json_body({"type": "object", "properties": {"prompt": {"type": "string"}},
+                                                     "required": ["prompt"]}))
     async def tokenize(request: Request):
         data = await read_json(request)
         if not isinstance(data, dict) or not isinstance(data.get("prompt"), str):
             raise APIError('give the text as {"prompt": "..."}', param="prompt")
-        tokens = tm.tokenize(data["prompt"])
+        try:
+            check_text(data["prompt"], tm.limits)
+        except ValueError as e:
+            raise APIError(str(e), param="prompt")
+        tokens = await off_loop(tm.tokenize, data["prompt"])
         return {"tokens": tokens, "count": len(tokens), "max_model_len": tm.info.get("context_len")}
 
     @app.get("/v1/models")
@@ -445,21 +570,24 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     async def health_generate(request: Request):
         if not tm.healthy:
             return error_response(f"unhealthy: {tm.dead_reason or 'a pipeline process exited'}", 503, "server_error")
-        gi = prepare(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-        await run_to_end(request, gi)
+        gis = await prepare_all(request, [dict(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})])
+        await run_all(request, gis)
         return Response(status_code=200)
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # the name sglang-router asks for first
     async def get_model_info():
         return {"model_path": tm.info.get("model_dir"), "tokenizer_path": server_args.tokenizer_path or tm.info.get("model_dir"),
                 "is_generation": True, "served_model_name": model_name}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")  # the name sglang-router asks for first
     async def get_server_info():
         import dataclasses
 
         info = {k: v for k, v in dataclasses.asdict(server_args).items() if k != "api_key"}
         info.update({"version": "0.1.0", **{k: v for k, v in tm.info.items() if k != "pid"}})
+        info["pipeline_pids"] = {p.name.removeprefix("sglang-backend-"): p.pid for p in tm.procs}  # for operators
         return info
 
     async def load_info() -> dict:
@@ -495,14 +623,15 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             return error_response("cannot flush the cache while requests are running", 409, "conflict")
         return Response("Cache flushed.", status_code=200)
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=json_body({"type": "object", "properties": {"rid": {"type": "string"}},
+                                                         "required": ["rid"]}))
     async def abort_request(request: Request):
         data = await read_json(request)
         rid = data.get("rid") if isinstance(data, dict) else None
         if not isinstance(rid, str):
             raise APIError("give the request id as {\"rid\": \"...\"}", param="rid")
-        if not tm.abort(rid):
-            raise APIError(f"no running request with id {rid!r}", 404, "not_found_error", "rid")
+        if not tm.abort(rid, request_owner(request)):  # another client's request is "not found" too
+            raise APIError(f"no running request with id {rid[:300]!r}", 404, "not_found_error", "rid")
         return {"success": True}
 
     @app.get("/check_pool")
@@ -523,20 +652,64 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
 
 class APIKeyMiddleware:
     """Bearer-token check as plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide client
-    disconnects from the handlers, and a disconnect must abort its request)."""
+    disconnects from the handlers, and a disconnect must abort its request).
+
+    ``api_key`` may list several keys separated by commas (one per client or tenant); request ids are scoped
+    per key. The check compares SHA-256 digests with ``hmac.compare_digest`` against every key, so its time
+    tells nothing about the keys' contents or lengths."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        keys = [k.strip() for k in api_key.split(",") if k.strip()]
+        self.expected = [hashlib.sha256(f"Bearer {k}".encode()).digest() for k in keys]
+
+    def allowed(self, header: bytes) -> bool:
+        given = hashlib.sha256(header).digest()
+        ok = False
+        for expected in self.expected:  # no early exit: every key is compared
+            ok |= hmac.compare_digest(given, expected)
+        return ok
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_ROUTES:
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        if self.allowed(given):
             return await self.app(scope, receive, send)
         response = error_response("invalid or missing API key", 401, "authentication_error")
         await response(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over ``max_bytes``: at once from Content-Length, or as soon as a chunked body passes
+    the limit (counted while it is read, so an oversized body is never buffered whole)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self) -> APIError:
+        return APIError(f"request body is larger than the server's limit of {self.max_bytes} bytes", 413)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            err = self.too_large() if declared.isdigit() else APIError("invalid Content-Length header")
+            return await error_response(err.message, err.status)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self.too_large()  # inside the app: answered by its APIError handler
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 def response_format_schema(rf) -> dict:
@@ -596,9 +769,29 @@ def launch_server(server_args) -> None:
     tm = TokenizerManager(server_args)
     tm.launch()
     app = create_app(tm, server_args)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
+                                           timeout_keep_alive=30, timeout_graceful_shutdown=10))
+
+    async def serve():
+        async def exit_when_pipeline_dies():
+            # The tokenizer manager has already failed every pending request; give the replies a moment to
+            # reach their clients, then stop serving so a supervisor sees a non-zero exit and restarts us.
+            while tm.dead_reason is None:
+                await asyncio.sleep(0.25)
+            await asyncio.sleep(PIPELINE_DEATH_GRACE_S)
+            server.should_exit = True
+
+        watcher = asyncio.create_task(exit_when_pipeline_dies())
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+
     try:
-        uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level, timeout_keep_alive=30,
-                    timeout_graceful_shutdown=10)
+        asyncio.run(serve())
     finally:
         tm.shutdown()
         tm.cleanup_ipc()
+    if tm.dead_reason is not None:
+        logger.error("exiting: %s", tm.dead_reason)
+        raise SystemExit(1)

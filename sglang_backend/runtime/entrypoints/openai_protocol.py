@@ -100,3 +100,12 @@ class GenerateRequest(_Base):
     image_data: Any = None
     rid: Union[str, list[str], None] = None
     extra_key: str | None = None
+    # Fields sglang-router puts into every /generate it forwards (its request type's defaults): accepted;
+    # the features behind the last four must stay off (checked in the handler).
+    model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    background: bool = False
+    return_hidden_states: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False

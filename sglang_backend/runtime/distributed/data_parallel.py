@@ -1,0 +1,112 @@
+"""Data parallelism on one host: ``sglang-backend serve --dp N``.
+
+Starts N ordinary workers (``sglang-backend serve``) on ports port+1 .. port+N (loopback) and the real
+``sglang-router`` (PyPI ``sglang-router``, Rust) on ``--host``:``--port`` in front of them, with its
+cache-aware policy by default: requests sharing a prefix go to the worker whose radix cache already holds
+it, and load is balanced when workers drift apart. We write no router of our own.
+
+Across hosts, run the workers yourself and point the router at them (see the README, "Scale-out").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+logger = logging.getLogger(__name__)
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+WORKER_STARTUP_TIMEOUT_S = 600
+
+
+def worker_argv(server_args, port: int) -> list[str]:
+    """``sglang-backend serve`` flags reproducing ``server_args`` (only the non-defaults), on loopback:port."""
+    from ..server_args import ServerArgs
+
+    argv = [sys.executable, "-m", "sglang_backend.cli", "serve"]
+    for f in dataclasses.fields(ServerArgs):
+        value = getattr(server_args, f.name)
+        if f.name in ("host", "port") or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv + ["--host", "127.0.0.1", "--port", str(port)]
+
+
+ROUTER_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error", "critical": "error"}
+
+
+def router_argv(worker_urls: list[str], host: str, port: int, policy: str, prometheus_port: int,
+                log_level: str = "info") -> list[str]:
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-port", str(prometheus_port),
+            "--log-level", ROUTER_LOG_LEVELS.get(log_level.lower(), "info"),
+            # Notice a dead worker within seconds (the defaults check once a minute); stop promptly.
+            "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
+            "--shutdown-grace-period-secs", "5"]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = WORKER_STARTUP_TIMEOUT_S) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker {url} exited with code {proc.returncode} during start-up")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker {url} not healthy after {timeout:.0f}s")
+        time.sleep(0.5)
+
+
+def serve_dp(server_args, dp: int, policy: str = "cache_aware") -> int:
+    """Runs N workers + the router until SIGINT/SIGTERM or until the router exits; stops them all."""
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        raise SystemExit("--dp needs sglang-router: pip install 'sglang-backend[router]'") from None
+    if policy not in ROUTER_POLICIES:
+        raise SystemExit(f"--router-policy must be one of {ROUTER_POLICIES}")
+    logging.basicConfig(level=server_args.log_level.upper(), format="[dp] %(levelname)s %(message)s")
+    ports = [server_args.port + 1 + i for i in range(dp)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    procs: list[subprocess.Popen] = []
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        workers = [subprocess.Popen(worker_argv(server_args, p)) for p in ports]
+        procs += workers
+        for url, proc in zip(urls, workers):
+            wait_healthy(url, proc)
+        logger.info("%d workers up: %s", dp, " ".join(urls))
+        router = subprocess.Popen(router_argv(urls, server_args.host, server_args.port, policy,
+                                              server_args.port + dp + 1, server_args.log_level))
+        procs.append(router)
+        logger.info("sglang-router (%s) on http://%s:%d", policy, server_args.host, server_args.port)
+        while not stopping and router.poll() is None:
+            time.sleep(0.5)  # a dead worker is the router's business: it routes around it
+        return 0 if stopping else 1
+    finally:
+        for proc in reversed(procs):  # router first, so it stops sending work
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
