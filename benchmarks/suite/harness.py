@@ -67,17 +67,9 @@ def _dist(prefix: str, values: list[float]) -> dict:
 
 def _batch_hint(workload, backend, n: int) -> None:
     """run_batch's hint: prefill the constant text every instance starts with, once, before the fan-out."""
-    from sglang_backend.lang.api import PREFIX_CACHE_MIN_CHARS
-
     program = getattr(workload, "program", None)
-    if program is None or n < 2 or not backend.fork_hints:
-        return
-    try:
-        prefix = program.trace().constant_prefix(backend.get_chat_template())
-    except Exception:  # noqa: BLE001 - programs that cannot be traced get no hint, as in run_batch
-        return
-    if len(prefix) >= PREFIX_CACHE_MIN_CHARS:
-        backend.cache_prefix(prefix)
+    if program is not None:
+        program.cache_batch_prefix(backend, n)
 
 
 def _run_one(workload, kwargs: dict, backend, parallel: bool) -> float:

@@ -17,7 +17,7 @@ def _plt():
 
 def _grouped_bars(path: str, title: str, ylabel: str, workloads: list[str], series: dict[str, list]) -> str:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(workloads) + 2), 4.2))
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(workloads) + 4), 4.2))
     width = 0.8 / max(len(series), 1)
     for i, (name, values) in enumerate(series.items()):
         xs = [k + (i - (len(series) - 1) / 2) * width for k in range(len(workloads))]
@@ -26,7 +26,7 @@ def _grouped_bars(path: str, title: str, ylabel: str, workloads: list[str], seri
     ax.set_xticklabels(workloads, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=min(len(series), 5))
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: bars stay visible
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -101,14 +101,7 @@ class SglFunction:
             raise ValueError("no backend: call set_default_backend(...) or pass backend=...")
         if not batch_kwargs:
             return []
-        # Pre-cache the constant prefix every instance starts with, once, before fanning out.
-        if getattr(backend, "fork_hints", True) and len(batch_kwargs) > 1:
-            try:
-                prefix = self.trace().constant_prefix(backend.get_chat_template())
-            except Exception:  # noqa: BLE001 - programs that cannot be traced just skip the hint
-                prefix = ""
-            if len(prefix) >= PREFIX_CACHE_MIN_CHARS:
-                backend.cache_prefix(prefix)
+        self.cache_batch_prefix(backend, len(batch_kwargs))
         if num_threads == "auto":
             num_threads = min(len(batch_kwargs), max(16, (os.cpu_count() or 1) * 8), 128)
         run_kwargs = dict(max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
@@ -134,6 +127,19 @@ class SglFunction:
                 for _ in tqdm(futures, total=len(futures), desc=f"run_batch {self.func.__name__}"):
                     _.result()
             return [f.result() for f in futures]
+
+    def cache_batch_prefix(self, backend, n: int) -> None:
+        """Pre-caches the constant prefix every instance starts with, once, before ``n`` instances fan out."""
+        if not getattr(backend, "fork_hints", True) or n < 2:
+            return
+        from .tracer import trace_program
+
+        try:
+            prefix = trace_program(self, self.bind_arguments, partial=True).constant_prefix(backend.get_chat_template())
+        except Exception:  # noqa: BLE001 - programs that cannot be traced just skip the hint
+            prefix = ""
+        if len(prefix) >= PREFIX_CACHE_MIN_CHARS:
+            backend.cache_prefix(prefix)
 
     def trace(self, *, backend=None, **kwargs):
         """The program's dataflow graph (arguments not given become placeholders)."""

@@ -158,7 +158,10 @@ class TracerStateGroup:
         g.ops.append((self.parent.branch, "join", ([s.branch for s in self.states], mode)))
 
 
-def trace_program(program, kwargs: dict) -> TracedProgram:
+def trace_program(program, kwargs: dict, partial: bool = False) -> TracedProgram:
+    """The program's graph with placeholders for missing arguments. ``partial=True``: a program whose control
+    flow needs a real argument (``for x in arg``, ``s.fork(arg)``) is traced up to that point instead of
+    failing; the ops before it are the same for every run, which is all a constant prefix needs."""
     import inspect
 
     graph = TracedProgram()
@@ -171,7 +174,11 @@ def trace_program(program, kwargs: dict) -> TracedProgram:
             args[name] = SglArgument(name)
             graph.arguments.append(name)
     state = TracerProgramState(graph)
-    program.func(state, **args)
+    try:
+        program.func(state, **args)
+    except Exception:  # noqa: BLE001 - see partial above
+        if not partial:
+            raise
     return graph
 
 

@@ -3,12 +3,11 @@ dummy model and reports well-formed numbers; the table-cache ("no tree") ablatio
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 
 import pytest
-
-pytest.importorskip("matplotlib")
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +50,9 @@ def test_every_workload_runs_and_reports(smoke):
     # Jump-forward appends forced JSON text without a forward pass per token.
     assert by[("json_decode", "full", "throughput")]["num_jump_forward"] > 0
     assert by[("json_decode", "no_jump_forward", "throughput")]["num_jump_forward"] == 0
-    for png in ("fig5_throughput.png", "fig6_latency.png", "fig8c_ablation.png", "fig13_hit_rate.png"):
-        assert (out / png).stat().st_size > 1000, png
+    if importlib.util.find_spec("matplotlib") is not None:  # the test extra pins it; plots are optional
+        for png in ("fig5_throughput.png", "fig6_latency.png", "fig8c_ablation.png", "fig13_hit_rate.png"):
+            assert (out / png).stat().st_size > 1000, png
     assert "speedup" in (out / "summary.md").read_text()
 
 

@@ -23,7 +23,7 @@ def instances(tg, n, question_tokens, answer_tokens, branches, judge_tokens, ver
 @function
 def program(s, question, answer, criteria, judge_tokens, verdict_tokens):
     s += ("Please act as an impartial judge and evaluate the quality of the response to the user question.\n"
-          f"[Question]\n{question}\n[Response]\n{answer}\n")
+          "[Question]\n" + question + "\n[Response]\n" + answer + "\n")
     forks = s.fork(len(criteria))
     for f, c in zip(forks, criteria):
         f += f"Evaluate the response with respect to {c}:" + gen("judgement", max_tokens=judge_tokens)
