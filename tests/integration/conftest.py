@@ -103,6 +103,8 @@ class ServerHandle:
     log_dir: str | None = None
     starts: int = 0
     needs_restart: bool = False
+    extra_args: list[str] = field(default_factory=list)  # more `serve` flags (e.g. --model-path of a tiny model)
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     # Process life cycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -115,9 +117,9 @@ class ServerHandle:
         env = dict(os.environ)
         threads = os.environ.get("SGLANG_TEST_SERVER_THREADS", "1")
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1",
-                   TOKENIZERS_PARALLELISM="false")
+                   TOKENIZERS_PARALLELISM="false", **self.extra_env)
         cmd = [sys.executable, "-m", "sglang_backend.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--api-key", self.api_key, "--log-level", "warning"]  # no --model-path: the embedded default
+               "--api-key", self.api_key, "--log-level", "warning", *self.extra_args]  # no --model-path: the embedded default
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
         self.url = f"http://127.0.0.1:{port}"

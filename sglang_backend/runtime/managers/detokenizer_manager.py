@@ -80,6 +80,7 @@ def run_detokenizer_process(server_args, ipc: dict, tokenizer_path: str) -> None
     send = ctx.socket(zmq.PUSH)
     send.connect(ipc["tokenizer_input"])
     states: dict[str, tuple[DetokenizerState, list[int]]] = {}
+    failed: set[str] = set()  # requests failed here while the scheduler may still be running them
     parent = os.getppid()
     while True:
         if not recv.poll(1000):
@@ -90,15 +91,29 @@ def run_detokenizer_process(server_args, ipc: dict, tokenizer_path: str) -> None
         if isinstance(msg, ControlOut):
             send.send_pyobj(msg)
             continue
-        assert isinstance(msg, TokenOut)
-        if msg.rid not in states:
-            states[msg.rid] = (DetokenizerState(tokenizer, **(msg.detok_options or {})), [])
-        state, ids = states[msg.rid]
-        if msg.keep_len is not None:
-            del ids[msg.keep_len:]
-        ids.extend(msg.new_ids)
+        if not isinstance(msg, TokenOut):
+            continue
         finished = msg.finished_reason is not None
-        text = state.step(ids, finished) if msg.stream else state.full_text(ids)
+        if msg.rid in failed:  # already answered with an error; drop the rest of its output
+            if finished:
+                failed.discard(msg.rid)
+            continue
+        try:
+            if msg.rid not in states:
+                states[msg.rid] = (DetokenizerState(tokenizer, **(msg.detok_options or {})), [])
+            state, ids = states[msg.rid]
+            if msg.keep_len is not None:
+                del ids[msg.keep_len:]
+            ids.extend(msg.new_ids)
+            text = state.step(ids, finished) if msg.stream else state.full_text(ids)
+        except Exception as e:  # noqa: BLE001 - one request's decoding problem fails that request only
+            logging.getLogger(__name__).exception("detokenizing request %s failed", msg.rid)
+            states.pop(msg.rid, None)
+            if not finished:
+                failed.add(msg.rid)
+            error = {"type": "abort", "message": f"detokenization failed ({type(e).__name__})", "status_code": 500}
+            send.send_pyobj(StrOut(msg.rid, "", [], None, error, {}))
+            continue
         if finished:
             del states[msg.rid]
         send.send_pyobj(StrOut(msg.rid, text, msg.new_ids, msg.keep_len, msg.finished_reason, msg.meta))

@@ -26,6 +26,8 @@ from .validation import (
     check_grammar,
     check_input_ids,
     check_logprob_args,
+    check_rid,
+    check_text,
     check_total_length,
     parse_sampling_params,
 )
@@ -37,6 +39,19 @@ STARTUP_TIMEOUT_S = 600
 
 class ServerUnavailable(RuntimeError):
     """A pipeline process died: requests fail fast instead of hanging."""
+
+
+class Overloaded(RuntimeError):
+    """More requests in flight than the server queues: the client should retry later (503 + Retry-After)."""
+
+
+class RequestFailed(RuntimeError):
+    """The request itself failed inside the pipeline (model fault, NaN logits, detokenizer error, timeout);
+    other requests are unaffected."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -64,12 +79,18 @@ class GenerateInput:
     top_logprobs_num: int = 0
     extra_key: object = None
     mm_inputs: object = None  # multimodal.MultimodalInputs for requests with images
+    # The id a client gave (shown back to it, usable in /abort_request) and who sent it. ``rid`` itself is
+    # always generated here, so no client can pick, guess or collide with another client's request id.
+    client_rid: str | None = None
+    owner: str = ""
 
 
 class TokenizerManager:
     def __init__(self, server_args):
         self.server_args = server_args
         self.rid_to_state: dict[str, RequestState] = {}
+        self.rid_owner: dict[str, str] = {}  # internal rid -> owner (the principal that sent it)
+        self.client_rids: dict[tuple[str, str], str] = {}  # (owner, client rid) -> internal rid
         self.control_waiters: dict[str, asyncio.Future] = {}
         self.procs: list[mp.Process] = []
         self.dead_reason: str | None = None
@@ -165,13 +186,21 @@ class TokenizerManager:
 
     async def _recv_loop(self) -> None:
         while True:
-            msg = await self.recv.recv_pyobj()
+            try:
+                msg = await self.recv.recv_pyobj()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - one unreadable message must not stop every request's replies
+                logger.exception("dropping an unreadable message from the detokenizer")
+                continue
             if isinstance(msg, ControlOut):
                 fut = self.control_waiters.pop(msg.req_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg.result)
                 continue
-            assert isinstance(msg, StrOut)
+            if not isinstance(msg, StrOut):
+                logger.error("dropping an unexpected message %r", type(msg).__name__)
+                continue
             state = self.rid_to_state.get(msg.rid)
             if state is None:
                 continue  # the client went away
@@ -184,12 +213,17 @@ class TokenizerManager:
     def prepare(self, *, text: str | None = None, input_ids: list[int] | None = None, sampling_params: dict | None = None,
                 rid: str | None = None, stream: bool = False, return_logprob: bool = False,
                 logprob_start_len: int | None = None, top_logprobs_num: int | None = 0, extra_key=None,
-                image_data=None, add_special_tokens: bool = True) -> GenerateInput:
+                image_data=None, add_special_tokens: bool = True, owner: str = "") -> GenerateInput:
         """Tokenizes and validates one prompt; raises ValueError with the reason."""
         if self.dead_reason is not None:
             raise ServerUnavailable(self.dead_reason)
         if (text is None) == (input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
+        check_rid(rid)
+        if rid is not None and (owner, rid) in self.client_rids:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if text is not None:
+            check_text(text, self.limits)
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens) if text is not None else list(input_ids)
         check_input_ids(ids, self.limits)
         mm_inputs = None
@@ -202,25 +236,49 @@ class TokenizerManager:
         check_total_length(len(ids), sampling_params, sp, self.limits)
         check_grammar(sp, self.grammar_cache)
         check_logprob_args(len(ids), logprob_start_len, top_logprobs_num)
-        rid = rid or uuid.uuid4().hex
-        if rid in self.rid_to_state:
-            raise ValueError(f"request id {rid!r} is already in use")
-        return GenerateInput(rid, ids, dict(sampling_params or {}), stream, return_logprob, logprob_start_len,
-                             int(top_logprobs_num or 0), extra_key, mm_inputs)
+        return GenerateInput(uuid.uuid4().hex, ids, dict(sampling_params or {}), stream, return_logprob,
+                             logprob_start_len, int(top_logprobs_num or 0), extra_key, mm_inputs, rid, owner)
+
+    def check_capacity(self, n: int) -> None:
+        """Bounded queue: running slots plus max_queued_requests waiting; beyond that, refuse (soft bound,
+        checked when a request is admitted)."""
+        sa = self.server_args
+        if len(self.rid_to_state) + n > sa.max_running_requests + sa.max_queued_requests:
+            raise Overloaded(f"{len(self.rid_to_state)} requests in flight; the server queues at most "
+                             f"{sa.max_running_requests + sa.max_queued_requests}")
 
     async def generate(self, gi: GenerateInput) -> AsyncIterator[dict]:
         """Yields result dicts: text pieces while streaming, then the final one (with finish_reason)."""
-        state = RequestState(gi.rid, asyncio.Queue(), gi.stream)
+        if self.dead_reason is not None:
+            raise ServerUnavailable(self.dead_reason)
+        state = RequestState(gi.client_rid or gi.rid, asyncio.Queue(), gi.stream)
         self.rid_to_state[gi.rid] = state
+        self.rid_owner[gi.rid] = gi.owner
+        client_key = (gi.owner, gi.client_rid)
+        if gi.client_rid is not None:
+            self.client_rids.setdefault(client_key, gi.rid)  # a racing duplicate runs under its own id only
         start = gi.logprob_start_len if gi.logprob_start_len is not None else -1
         self.send.send_pyobj(TokenizedGenerateReq(gi.rid, gi.input_ids, gi.sampling_params, gi.return_logprob, start,
                                                   gi.top_logprobs_num, gi.stream, gi.extra_key, gi.mm_inputs))
         finished = False
         try:
+            timeout = self.server_args.request_timeout
+            deadline = None if timeout is None else state.created + timeout
             while True:
-                msg = await state.queue.get()
+                try:
+                    if deadline is None:
+                        msg = await state.queue.get()
+                    else:
+                        msg = await asyncio.wait_for(state.queue.get(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise RequestFailed(f"the request took longer than the server's limit of {timeout:g} s", 504) from None
                 if isinstance(msg, Exception):
                     raise msg
+                fr = msg.finished_reason or {}
+                if fr.get("type") == "abort" and fr.get("status_code", 400) >= 500:
+                    # Not marked finished: the finally also aborts it at the scheduler (a no-op if it ended
+                    # there; needed when the detokenizer failed it).
+                    raise RequestFailed(fr.get("message", "internal error"), fr["status_code"])
                 finished = msg.finished_reason is not None
                 self._merge(state, msg)
                 if state.first_token_time is None and msg.output_ids:
@@ -235,6 +293,9 @@ class TokenizerManager:
                     return
         finally:
             self.rid_to_state.pop(gi.rid, None)
+            self.rid_owner.pop(gi.rid, None)
+            if self.client_rids.get(client_key) == gi.rid:
+                del self.client_rids[client_key]
             if not finished and self.dead_reason is None:
                 # Client disconnected (or cancelled): free its KV now.
                 self.send.send_pyobj(AbortReq(gi.rid))
@@ -257,10 +318,15 @@ class TokenizerManager:
         meta["e2e_latency"] = time.monotonic() - state.created
         return {"text": text, "output_ids": list(state.output_ids), "meta_info": meta}
 
-    def abort(self, rid: str) -> bool:
-        if rid not in self.rid_to_state:
+    def abort(self, rid: str, owner: str = "") -> bool:
+        """Aborts the caller's own request, named by the id it gave or the id the server returned. Another
+        owner's request is "not found", exactly like one that does not exist."""
+        internal = self.client_rids.get((owner, rid))
+        if internal is None and self.rid_owner.get(rid) == owner:
+            internal = rid
+        if internal is None:
             return False
-        self.send.send_pyobj(AbortReq(rid))
+        self.send.send_pyobj(AbortReq(internal))
         return True
 
     async def control(self, kind: str, timeout: float = 30.0):

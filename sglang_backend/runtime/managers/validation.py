@@ -3,6 +3,7 @@ ValueError naming the problem before it reaches the scheduler."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..sampling_params import SamplingParams
@@ -15,9 +16,67 @@ class ModelLimits:
     vocab_size: int
 
 
+# Size bounds on what one request may carry: each keeps a hostile request's cost (tokenizing, compiling,
+# per-step sampling work) small before any of it is done.
+MAX_PROMPT_CHARS_PER_TOKEN = 64  # a text prompt longer than context_len * this cannot fit: refused untokenized
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_GRAMMAR_CHARS = 100_000  # regex or JSON schema text; compilation itself has a state and time budget
+MAX_RID_CHARS = 256
+MAX_PROMPTS_PER_REQUEST = 1024  # prompts x n of one HTTP request
+
+
+def check_sampling_limits(sp: SamplingParams) -> None:
+    if not math.isfinite(sp.temperature):
+        raise ValueError(f"temperature must be a finite number, got {sp.temperature}")
+    stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long")
+    if len(sp.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    if len(sp.logit_bias or {}) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    for kind in ("regex", "json_schema", "ebnf"):
+        spec = getattr(sp, kind)
+        if spec is not None and len(spec) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{kind} is {len(spec)} characters long; at most {MAX_GRAMMAR_CHARS} are accepted")
+        if spec is not None:
+            check_unicode(spec, kind)
+
+
+def check_text(text: str, limits: ModelLimits) -> None:
+    """Before tokenizing: text that cannot fit the context is refused without the cost of tokenizing it, and
+    text that is not valid Unicode (a lone surrogate from a JSON escape) is a client error, not a crash."""
+    if len(text) > limits.context_len * MAX_PROMPT_CHARS_PER_TOKEN:
+        raise ValueError(f"the prompt has {len(text)} characters, far more than the model's context length "
+                         f"({limits.context_len} tokens) can hold")
+    check_unicode(text, "the prompt")
+
+
+def check_unicode(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: {e.reason} at position {e.start}") from None
+
+
+def check_rid(rid) -> None:
+    if rid is None:
+        return
+    if not isinstance(rid, str) or not rid or len(rid) > MAX_RID_CHARS or not rid.isprintable():
+        raise ValueError(f"rid must be a printable string of 1 to {MAX_RID_CHARS} characters")
+
+
 def parse_sampling_params(params: dict | None, limits: ModelLimits, tokenizer) -> SamplingParams:
     sp = SamplingParams.from_dict(params)
     sp.verify(limits.vocab_size)
+    check_sampling_limits(sp)
+    for s in [sp.stop] if isinstance(sp.stop, str) else (sp.stop or []):
+        check_unicode(s, "a stop string")
     sp.normalize(tokenizer)
     return sp
 
@@ -62,4 +121,7 @@ def check_grammar(sp: SamplingParams, grammar_cache) -> None:
             continue
         if kind == "ebnf":
             raise ValueError("EBNF grammars are not supported (use regex or json_schema)")
-        grammar_cache.compile(kind, spec)
+        try:
+            grammar_cache.compile(kind, spec)
+        except RecursionError:  # e.g. a schema nested hundreds of levels deep (jsonschema validates recursively)
+            raise ValueError(f"{kind} is nested too deeply") from None
