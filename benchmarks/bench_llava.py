@@ -21,8 +21,9 @@ number of images that went through the vision encoder. Ratios are throughput ove
     python -m benchmarks.bench_llava --model llava-7b --device cuda   # dummy LLaVA-1.5-7B shapes, bf16 (H100)
 
 Models are built locally (``models/llava.py``: CLIP ViT-L/14-336 + Llama-2-7B shapes); nothing is downloaded.
-The tiny model has real (random, seeded) HF weights shared by both systems, so the smoke run also checks that
-our greedy tokens equal HF's for the first questions; the 7B one uses dummy weights (throughput only).
+The tiny and small (CPU-sized, 256 image tokens) models have real (random, seeded) HF weights shared by both
+systems, so those runs also check that our greedy tokens equal HF's for the first questions; the 7B one uses
+dummy weights (throughput only).
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def build_model(model: str, out_dir: str) -> tuple[str, bool]:
 
     if model == "tiny":
         return save_dummy_llava(dummy_llava_config(), out_dir, seed=0), True
+    if model == "small":  # CPU-sized: 256 image tokens per image, so image prefill dominates as in LLaVA
+        text = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=8, max_position_embeddings=2048, vocab_size=1024)
+        vision = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                      image_size=224, patch_size=14, projection_dim=128)
+        return save_dummy_llava(dummy_llava_config(text, vision), out_dir, seed=0), True
     return save_dummy_llava(llava_7b_config(), out_dir, weights=False), False
 
 
@@ -208,7 +215,7 @@ SYSTEMS = ("hf", "ours", "ours_no_radix", "ours_unique_images")
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llava-7b", choices=["tiny", "llava-7b"])
+    ap.add_argument("--model", default="llava-7b", choices=["tiny", "small", "llava-7b"])
     ap.add_argument("--num-questions", "-N", type=int, default=240)
     ap.add_argument("--num-images", "-M", type=int, default=24)
     ap.add_argument("--image-size", type=int, default=512, help="side of the square source images (pixels)")
