@@ -256,3 +256,33 @@ def test_video_frames_and_dsl(llava_engine, tmp_path):
     video = describe.run(media=None, video_path=path, backend=backend)
     span = llava_engine.mm_processor.num_image_tokens
     assert video.get_meta_info("answer")["prompt_tokens"] > 3 * span
+
+
+def test_loads_both_hf_checkpoint_layouts(llava_dir):
+    """Checkpoints name weights ``language_model.model.*`` / ``vision_tower.*`` (llava-hf, and what this
+    transformers saves) or ``model.language_model.*`` / ``lm_head.*`` / ``model.vision_tower.vision_model.*``
+    (transformers 4.52-4.x in memory). Both load into the same parameters."""
+    from transformers import AutoConfig
+
+    from sglang_backend.runtime.model_loader.loader import iterate_weights
+    from sglang_backend.runtime.models.llava import LlavaForConditionalGeneration
+
+    def other_layout(name: str) -> str:
+        for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                         ("vision_tower.", "model.vision_tower.vision_model."),
+                         ("multi_modal_projector.", "model.multi_modal_projector.")):
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    config = AutoConfig.from_pretrained(llava_dir)
+    saved, other = LlavaForConditionalGeneration(config), LlavaForConditionalGeneration(config)
+    weights = list(iterate_weights(llava_dir))
+    saved.load_weights(weights)
+    renamed = [(other_layout(n), t) for n, t in weights]
+    assert {n for n, _ in renamed}.isdisjoint(n for n, _ in weights)
+    other.load_weights(renamed)
+    for (n1, p1), (n2, p2) in zip(saved.state_dict().items(), other.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+    with pytest.raises(ValueError, match="unexpected weight"):
+        saved.load_weights([("model.something_else.weight", torch.zeros(1))])

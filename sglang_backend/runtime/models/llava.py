@@ -133,8 +133,19 @@ class LlavaForConditionalGeneration(nn.Module):
             else:
                 raise ValueError(f"unexpected weight {name!r} in LLaVA checkpoint")
         self.language_model.load_weights(lm)
+        # CLIP/SigLIP towers name their weights with or without a ``vision_model.`` prefix depending on the
+        # transformers version (and so do checkpoints): match the tower we built.
+        ours = set(self.vision_tower.state_dict())
+        prefix = "vision_model."
+        fixed = {}
+        for name, tensor in vision.items():
+            if name not in ours and name.startswith(prefix) and name[len(prefix):] in ours:
+                name = name[len(prefix):]
+            elif name not in ours and prefix + name in ours:
+                name = prefix + name
+            fixed[name] = tensor
         with torch.no_grad():
-            self.vision_tower.load_state_dict(vision, strict=True)
+            self.vision_tower.load_state_dict(fixed, strict=True)
             self.multi_modal_projector.load_state_dict(proj, strict=True)
 
     def init_dummy_weights(self, seed: int = 0) -> None:
