@@ -286,3 +286,23 @@ def test_loads_both_hf_checkpoint_layouts(llava_dir):
         assert n1 == n2 and torch.equal(p1, p2), n1
     with pytest.raises(ValueError, match="unexpected weight"):
         saved.load_weights([("model.something_else.weight", torch.zeros(1))])
+
+
+def test_siglip_tower_matches_hf(tmp_path):
+    """A SigLIP tower (no CLS vector) with the "full" strategy: all patches become image tokens."""
+    from transformers import LlavaForConditionalGeneration
+
+    from sglang_backend.runtime.models.llava import dummy_llava_config, save_dummy_llava
+
+    path = save_dummy_llava(dummy_llava_config(vision_type="siglip", vision_feature_select_strategy="full",
+                                               vision_feature_layer=[-2, -1]), str(tmp_path / "siglip"))
+    hf = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    engine = make_engine(path)
+    try:
+        assert engine.mm_processor.num_image_tokens == 16
+        prompt, images = "Describe <image> and <image> briefly:", [make_image(31), make_image(32)]
+        ours = engine.generate(prompt, GREEDY, image_data=images)
+        assert ours["output_ids"] == hf_greedy(hf, engine, prompt, images)
+        engine.check_pool_whole()
+    finally:
+        engine.shutdown()

@@ -171,21 +171,25 @@ class LlavaForConditionalGeneration(nn.Module):
 IMAGE_TOKEN = "<image>"
 
 
-def dummy_llava_config(text: dict | None = None, vision: dict | None = None, **overrides):
-    """A LlavaConfig built locally (no hub): CLIP vision tower + Llama LM. The defaults are tiny (tests);
-    ``llava_7b_config()`` gives LLaVA-1.5-7B's shapes. ``image_token_id`` defaults to the last vocab id."""
-    from transformers import CLIPVisionConfig, LlavaConfig
+def dummy_llava_config(text: dict | None = None, vision: dict | None = None, vision_type: str = "clip", **overrides):
+    """A LlavaConfig built locally (no hub): CLIP (or ``vision_type="siglip"``) vision tower + Llama LM. The
+    defaults are tiny (tests); ``llava_7b_config()`` gives LLaVA-1.5-7B's shapes. ``image_token_id`` defaults
+    to the last vocab id."""
+    from transformers import CLIPVisionConfig, LlavaConfig, SiglipVisionConfig
 
     from ..model_loader.loader import dummy_config
 
     text_cfg = dummy_config(**(text or {}))
     vision_kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      image_size=32, patch_size=8, projection_dim=32, initializer_range=0.1)
+    if vision_type == "siglip":
+        vision_kw.pop("projection_dim")
     vision_kw.update(vision or {})
+    vision_cls = {"clip": CLIPVisionConfig, "siglip": SiglipVisionConfig}[vision_type]
     kw = dict(vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu",
               image_token_id=text_cfg.vocab_size - 1)
     kw.update(overrides)
-    return LlavaConfig(vision_config=CLIPVisionConfig(**vision_kw).to_dict(), text_config=text_cfg.to_dict(),
+    return LlavaConfig(vision_config=vision_cls(**vision_kw).to_dict(), text_config=text_cfg.to_dict(),
                        architectures=["LlavaForConditionalGeneration"], **kw)
 
 

@@ -29,11 +29,14 @@ def image_token_id_of(config) -> int:
 
 
 def num_image_tokens_of(config) -> int:
-    """Feature vectors per image: one per patch, plus the CLS vector when the strategy keeps it."""
+    """Feature vectors per image: the tower's output length (patches, plus CLS for CLIP; SigLIP has none),
+    less the first vector under the "default" strategy (which drops it, as HF does)."""
     vc = config.vision_config
     n = (vc.image_size // vc.patch_size) ** 2
-    if getattr(config, "vision_feature_select_strategy", "default") == "full":
-        n += 1
+    if not vc.model_type.startswith("siglip"):
+        n += 1  # CLS
+    if getattr(config, "vision_feature_select_strategy", "default") == "default":
+        n -= 1
     return n
 
 
