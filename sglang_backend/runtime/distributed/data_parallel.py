@@ -1,6 +1,7 @@
 """Data parallelism on one host: ``sglang-backend serve --dp N``.
 
-Starts N ordinary workers (``sglang-backend serve``) on ports port+1 .. port+N (loopback) and the real
+Starts N ordinary workers (``sglang-backend serve``) on ports port+1 .. port+N (loopback; on GPUs each gets
+its own ``tp_size`` GPUs through CUDA_VISIBLE_DEVICES) and the real
 ``sglang-router`` (PyPI ``sglang-router``, Rust) on ``--host``:``--port`` in front of them, with its
 cache-aware policy by default: requests sharing a prefix go to the worker whose radix cache already holds
 it, and load is balanced when workers drift apart. We write no router of our own.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -41,13 +43,32 @@ ROUTER_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error
 
 
 def router_argv(worker_urls: list[str], host: str, port: int, policy: str, prometheus_port: int,
-                log_level: str = "info") -> list[str]:
+                log_level: str = "info", api_key: str | None = None) -> list[str]:
+    # With an API key the router uses it for its own calls to the workers (and forwards each client's
+    # Authorization header with the client's requests).
+    auth = ["--api-key", api_key] if api_key else []
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
             "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-port", str(prometheus_port),
             "--log-level", ROUTER_LOG_LEVELS.get(log_level.lower(), "info"),
             # Notice a dead worker within seconds (the defaults check once a minute); stop promptly.
             "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
-            "--shutdown-grace-period-secs", "5"]
+            "--shutdown-grace-period-secs", "5"] + auth
+
+
+def gpu_split(server_args, dp: int) -> list[dict]:
+    """Per worker, the environment that gives it its own tp_size GPUs (nothing when on CPU or too few GPUs)."""
+    if server_args.device == "cpu":
+        return [{} for _ in range(dp)]
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    per = server_args.tp_size
+    if len(gpus) < dp * per:
+        if gpus:
+            logger.warning("%d GPUs for %d workers x tp_size %d: workers share GPUs", len(gpus), dp, per)
+        return [{} for _ in range(dp)]
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])} for i in range(dp)]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = WORKER_STARTUP_TIMEOUT_S) -> None:
@@ -88,13 +109,14 @@ def serve_dp(server_args, dp: int, policy: str = "cache_aware") -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        workers = [subprocess.Popen(worker_argv(server_args, p)) for p in ports]
+        workers = [subprocess.Popen(worker_argv(server_args, p), env={**os.environ, **extra})
+                   for p, extra in zip(ports, gpu_split(server_args, dp))]
         procs += workers
         for url, proc in zip(urls, workers):
             wait_healthy(url, proc)
         logger.info("%d workers up: %s", dp, " ".join(urls))
         router = subprocess.Popen(router_argv(urls, server_args.host, server_args.port, policy,
-                                              server_args.port + dp + 1, server_args.log_level))
+                                              server_args.port + dp + 1, server_args.log_level, server_args.api_key))
         procs.append(router)
         logger.info("sglang-router (%s) on http://%s:%d", policy, server_args.host, server_args.port)
         while not stopping and router.poll() is None:
