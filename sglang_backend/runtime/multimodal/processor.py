@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import OrderedDict
 
 from .image import image_hash, load_image
@@ -69,20 +70,23 @@ class MultimodalProcessor:
         self.max_images = max_images
         self.image_processor = build_image_processor(config, model_dir)
         self._pixels: OrderedDict[str, object] = OrderedDict()  # hash -> pixel_values (repeat images skip resizing)
+        self._lock = threading.Lock()
 
     @staticmethod
     def for_model(config, model_dir, tokenizer, allow_local_media: bool) -> "MultimodalProcessor | None":
         return MultimodalProcessor(config, model_dir, tokenizer, allow_local_media) if is_multimodal_config(config) else None
 
     def _pixel_values(self, img, h: str):
-        pv = self._pixels.get(h)
-        if pv is None:
-            pv = self.image_processor(images=img, return_tensors="pt")["pixel_values"][0].float()
+        with self._lock:  # Engine.generate may be called from several threads
+            pv = self._pixels.get(h)
+            if pv is not None:
+                self._pixels.move_to_end(h)
+                return pv
+        pv = self.image_processor(images=img, return_tensors="pt")["pixel_values"][0].float()
+        with self._lock:
             self._pixels[h] = pv
             if len(self._pixels) > _PIXEL_CACHE_ENTRIES:
                 self._pixels.popitem(last=False)
-        else:
-            self._pixels.move_to_end(h)
         return pv
 
     def expand(self, input_ids: list[int], image_data, context_len: int, max_total_tokens: int,
