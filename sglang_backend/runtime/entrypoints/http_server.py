@@ -210,7 +210,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             gis = await off_loop(work)
         except ValueError as e:
             raise APIError(str(e))
-        tm.check_capacity(len(gis))
+        tm.check_capacity(gis)
         return gis
 
     async def run_all(request: Request, gis: list[GenerateInput]) -> list[dict]:

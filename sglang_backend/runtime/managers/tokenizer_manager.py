@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -83,6 +84,7 @@ class GenerateInput:
     # always generated here, so no client can pick, guess or collide with another client's request id.
     client_rid: str | None = None
     owner: str = ""
+    reservation: object = None  # its place in the bounded queue until generate() starts (see check_capacity)
 
 
 class TokenizerManager:
@@ -91,6 +93,7 @@ class TokenizerManager:
         self.rid_to_state: dict[str, RequestState] = {}
         self.rid_owner: dict[str, str] = {}  # internal rid -> owner (the principal that sent it)
         self.client_rids: dict[tuple[str, str], str] = {}  # (owner, client rid) -> internal rid
+        self.reserved = 0  # admitted requests whose generate() has not started yet
         self.control_waiters: dict[str, asyncio.Future] = {}
         self.procs: list[mp.Process] = []
         self.dead_reason: str | None = None
@@ -239,16 +242,26 @@ class TokenizerManager:
         return GenerateInput(uuid.uuid4().hex, ids, dict(sampling_params or {}), stream, return_logprob,
                              logprob_start_len, int(top_logprobs_num or 0), extra_key, mm_inputs, rid, owner)
 
-    def check_capacity(self, n: int) -> None:
-        """Bounded queue: running slots plus max_queued_requests waiting; beyond that, refuse (soft bound,
-        checked when a request is admitted)."""
+    def check_capacity(self, gis: list[GenerateInput]) -> None:
+        """Bounded queue: running slots plus max_queued_requests waiting; beyond that, refuse. Admitted requests
+        hold a reservation until generate() starts, or until they are dropped unstarted (a stream whose client
+        left first): a weakref finalizer gives the place back then."""
         sa = self.server_args
-        if len(self.rid_to_state) + n > sa.max_running_requests + sa.max_queued_requests:
-            raise Overloaded(f"{len(self.rid_to_state)} requests in flight; the server queues at most "
+        in_flight = len(self.rid_to_state) + self.reserved
+        if in_flight + len(gis) > sa.max_running_requests + sa.max_queued_requests:
+            raise Overloaded(f"{in_flight} requests in flight; the server queues at most "
                              f"{sa.max_running_requests + sa.max_queued_requests}")
+        for gi in gis:
+            self.reserved += 1
+            gi.reservation = weakref.finalize(gi, self._unreserve)
+
+    def _unreserve(self) -> None:
+        self.reserved -= 1
 
     async def generate(self, gi: GenerateInput) -> AsyncIterator[dict]:
         """Yields result dicts: text pieces while streaming, then the final one (with finish_reason)."""
+        if gi.reservation is not None:
+            gi.reservation()  # runs _unreserve once; rid_to_state counts the request from here on
         if self.dead_reason is not None:
             raise ServerUnavailable(self.dead_reason)
         state = RequestState(gi.client_rid or gi.rid, asyncio.Queue(), gi.stream)
