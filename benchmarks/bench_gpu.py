@@ -678,48 +678,6 @@ def bench_attn_sweep(name: str):
     RESULT["attn_sweep"] = {"runs": res, "chosen": chosen}
 
 
-@section("attn_large")
-def bench_attn_large(name: str):
-    """Decode attention at the offline workload's shape (batch 56, 1-2k context): splits x launch configs."""
-    from sglang_backend.runtime.layers.attention.triton_ops import decode_attention as da
-
-    cfg = MODELS[name]["config"]
-    dtype = getattr(torch, MODELS[name]["dtype"])
-    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    D = cfg["hidden_size"] // H
-    bs, res = 56, []
-    configs = [(bn, w, st, False) for bn in (64, 128) for w in (4, 8) for st in (1, 2, 3)]
-    for ctx in (1536, 2048):
-        n_slots = bs * ctx + 1
-        kv = [(torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype),
-               torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype)) for _ in range(2)]
-        r2t = (torch.arange(bs * ctx, device="cuda") + 1).view(bs, ctx)
-        rows = torch.arange(bs, device="cuda")
-        seq = torch.full((bs,), ctx, device="cuda")
-        q = torch.randn(bs, H, D, device="cuda", dtype=dtype)
-        o = torch.empty_like(q)
-        nbytes = 2 * bs * ctx * Hkv * D * q.element_size()
-        for splits in (1, 2, 4):
-            mid_o = torch.empty(bs, H, splits, D, device="cuda", dtype=torch.float32)
-            mid_lse = torch.empty(bs, H, splits, device="cuda", dtype=torch.float32)
-            for c in configs:
-                try:
-                    fns = [(lambda k=k, v=v: da.decode_attention_fwd(q, k, v, o, r2t, rows, seq, mid_o, mid_lse,
-                                                                      splits, D**-0.5, c)) for k, v in kv]
-                    t = graph_time(fns)
-                except Exception as e:  # noqa: BLE001
-                    log(f"config {c} failed: {e!r}"[:200])
-                    continue
-                res.append({"ctx": ctx, "splits": splits, "config": list(c), "time_s": t, "Bps": nbytes / t})
-        best = sorted([r for r in res if r["ctx"] == ctx], key=lambda r: r["time_s"])
-        for r in best[:5] + best[-1:]:
-            log(f"attn bs={bs} ctx={ctx} splits={r['splits']} cfg={r['config']}: {r['time_s'] * 1e6:.1f} us "
-                f"{r['Bps'] / 1e12:.2f} TB/s")
-        del kv
-        torch.cuda.empty_cache()
-    RESULT["attn_large"] = res
-
-
 @section("gemv_sweep")
 def bench_gemv_sweep(name: str):
     """Single-row linears (decode at batch 1): cuBLAS vs the Triton GEMV, weights rotated past the L2."""
@@ -902,8 +860,6 @@ def main(argv=None):
         bench_attn_sweep(name)
     if "gemv_sweep" in only:
         bench_gemv_sweep(name)
-    if "attn_large" in only:
-        bench_attn_large(name)
     if "hf" in only:
         bench_hf(name, args)
     model_dir = make_model_dir(name)
