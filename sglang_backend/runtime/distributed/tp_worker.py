@@ -118,14 +118,15 @@ class TPFollowers:
     def send_forward(self, fb: ForwardBatch, writes: list[tuple]) -> None:
         self.send((writes, pack_forward(fb)))
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 30) -> None:
+        """Tells the followers to exit; kills those still running after ``wait_s`` (stuck in a collective)."""
         for proc in self.procs:
             try:
                 pickle.dump(None, proc.stdin)
                 proc.stdin.close()
             except (BrokenPipeError, ValueError, OSError):
                 pass
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + wait_s
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -50,10 +50,14 @@ class ModelRunner:
             self._init_tensor_parallel()
         self.context_len = server_args.context_length or int(getattr(self.text_config, "max_position_embeddings", 2048))
         self.vocab_size = self.text_config.vocab_size
-        self._load_model(model_dir)
-        self._init_memory_pools()
-        self._init_attention_backend()
-        self._init_gpu_fast_path()
+        try:
+            self._load_model(model_dir)
+            self._init_memory_pools()
+            self._init_attention_backend()
+            self._init_gpu_fast_path()
+        except BaseException:
+            self.shutdown(wait_s=5)  # tensor parallelism: do not leave the other ranks waiting
+            raise
 
     # Set-up ------------------------------------------------------------------------------------------------------
     def _init_tensor_parallel(self) -> None:
@@ -73,10 +77,10 @@ class ModelRunner:
         if self.tp_rank == 0:
             self.tp_followers = TPFollowers(self.server_args, self.device)
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 30) -> None:
         """Stops the other tensor-parallel ranks (rank 0 only; nothing to do at tp_size 1)."""
         if self.tp_followers is not None:
-            self.tp_followers.shutdown()
+            self.tp_followers.shutdown(wait_s)
             self.tp_followers = None
 
     def _load_model(self, model_dir: str | None) -> None:
