@@ -74,6 +74,62 @@ def one_run(route: str, lm, rag, questions: list[str], threads: int, adapter, cl
             "jump_forward_tokens": after.get("num_jump_forward_tokens", 0) - before.get("num_jump_forward_tokens", 0)}
 
 
+# Few-shot reuse (in-process engine) ------------------------------------------------------------------------------
+def fewshot_run(lm, hints: bool, n: int = 32, threads: int = 8) -> dict:
+    """A 4-demo few-shot Predict over ``n`` questions (ChatAdapter, 8 threads) on a flushed cache.
+
+    ``runtime_hit_rate``: 1 - (prefill tokens the runtime computed for the run, hints included) / (the request
+    set's prompt tokens), comparable with ``optimal_hit_rate`` over the same prompts. ``request_hit_rate``:
+    what the calls themselves saw (lm.history usage)."""
+    import dspy
+
+    from sglang_backend.runtime.managers.schedule_policy import optimal_hit_rate
+    from sglang_dspy import hit_rate_from_history
+
+    lm = lm.copy(max_tokens=4, prefix_hints=hints)
+    lm.flush_cache()
+    p = dspy.Predict("question -> answer")
+    p.demos = [dspy.Example(question=f"What is {a} plus {a}? Think about it and explain.", answer=str(2 * a))
+               for a in (3, 5, 7, 9)]
+    before = lm.get_stats()
+    with dspy.context(lm=lm, adapter=dspy.ChatAdapter()):
+        p.batch([dspy.Example(question=f"What is {i} plus {i}?").with_inputs("question") for i in range(n)],
+                num_threads=threads, max_errors=n + 1, provide_traceback=False, disable_progress_bar=True)
+    after = lm.get_stats()
+    entries = lm.history[-n:]
+    total = sum(e["usage"]["prompt_tokens"] for e in entries)
+    computed = (after["num_prompt_tokens"] - before["num_prompt_tokens"]) - (
+        after["num_cached_tokens"] - before["num_cached_tokens"])
+    tok, rt = lm.runtime.tokenizer, lm.runtime
+    prompts = [(None, tok.encode(rt.apply_chat_template(e["messages"]), add_special_tokens=False)) for e in entries]
+    return {"hints": hints, "requests": len(entries), "prompt_tokens": total, "computed_tokens": computed,
+            "runtime_hit_rate": 1 - computed / total, "request_hit_rate": hit_rate_from_history(entries),
+            "optimal_hit_rate": optimal_hit_rate(prompts), "hints_sent": lm.hints_sent,
+            "min_cached_tokens": min(e["usage"]["prompt_tokens_details"]["cached_tokens"] for e in entries),
+            "prompt_lengths_match": [len(ids) for _, ids in prompts] == [e["usage"]["prompt_tokens"] for e in entries]}
+
+
+def fewshot_section() -> list[dict]:
+    """Plain vs hinted on the default runtime and on one without in-batch prefix dedup (the scheduler's own
+    mechanism for concurrent shared prefixes), where only the radix cache and the hints remain."""
+    from sglang_backend import Engine
+    from sglang_dspy import SGLangLM
+
+    rows = []
+    for dedup in (True, False):
+        runtime = Engine(log_level="warning", enable_in_batch_prefix_dedup=dedup)
+        lm = SGLangLM(runtime=runtime, max_tokens=4, cache=False)
+        for hints in (False, True):
+            r = fewshot_run(lm, hints)
+            r["in_batch_dedup"] = dedup
+            rows.append(r)
+            print(f"few-shot x32 dedup={dedup} hints={hints}: runtime hit {r['runtime_hit_rate']:.4f} "
+                  f"(optimal {r['optimal_hit_rate']:.4f}), request-level {r['request_hit_rate']:.4f}",
+                  file=sys.stderr)
+        runtime.shutdown()
+    return rows
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_dspy_rag", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="a running server (default: start one with the embedded SmolLM2)")
@@ -85,6 +141,7 @@ def parse_args(argv):
     p.add_argument("--adapter", choices=("chat", "json"), default="chat")
     p.add_argument("--server-threads", type=int, default=None, help="OMP threads of the own server")
     p.add_argument("--smoke", action="store_true", help="one repeat over 3 questions with 8 tokens (CI)")
+    p.add_argument("--no-fewshot", action="store_true", help="skip the few-shot reuse section (in-process engines)")
     p.add_argument("--output", default=None, help=f"JSON path (default benchmarks/results/{NAME}.json)")
     return p.parse_args(argv)
 
@@ -92,7 +149,7 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.smoke:
-        args.repeats, args.questions, args.max_tokens = 1, 3, 8
+        args.repeats, args.questions, args.max_tokens, args.no_fewshot = 1, 3, 8, True
     import dspy
 
     from sglang_dspy import SGLangLM
@@ -141,7 +198,8 @@ def main(argv=None) -> dict:
     speedup = summary["sglang"]["programs_per_s"]["median"] / summary["openai"]["programs_per_s"]["median"]
     result = {"name": NAME, "env": env_info(), "config": {**vars(args), "url": url if args.url else "own server",
                                                            "num_questions": len(questions), "model": model_id},
-              "runs": runs, "summary": summary, "speedup_sglang_over_openai": speedup}
+              "runs": runs, "summary": summary, "speedup_sglang_over_openai": speedup,
+              "fewshot_reuse": [] if args.no_fewshot else fewshot_section()}
     rows = [[route, s["programs_per_s"]["median"], sum(s["parse_failures"]), sum(s["lm_calls"]),
              sum(h for h in s["server_cache_hit_rate"] if h is not None) / len(s["server_cache_hit_rate"])]
             for route, s in summary.items()]

@@ -376,6 +376,9 @@ class SGLangEngine:
 
     def _sampling(self, request, messages: list[dict]) -> dict:
         c = request.config
+        if c.extensions or (c.reasoning is not None and not c.reasoning.is_off) or c.probabilities == "required":
+            raise UnsupportedFeatureError("SGLangLM does not take Config.extensions, reasoning or probabilities",
+                                          provider="sglang")
         sp: dict[str, Any] = {}
         if c.max_tokens is not None:
             sp["max_new_tokens"] = c.max_tokens
