@@ -41,7 +41,8 @@ class LlavaForConditionalGeneration(nn.Module):
         from transformers import AutoModel
 
         self.config = config
-        self.vision_tower = AutoModel.from_config(config.vision_config)  # CLIPVisionModel / SiglipVisionModel
+        # CLIPVisionModel / SiglipVisionModel; in the dtype the rest is built in (the runner sets the default).
+        self.vision_tower = AutoModel.from_config(config.vision_config).to(torch.get_default_dtype())
         self.multi_modal_projector = LlavaMultiModalProjector(config)
         self.language_model = LlamaForCausalLM(config.text_config)
         self.feature_cache = VisionFeatureCache()
@@ -60,7 +61,7 @@ class LlavaForConditionalGeneration(nn.Module):
         keep_cls = self.config.vision_feature_select_strategy != "default"
         picked = [out.hidden_states[i] for i in ([layers] if isinstance(layers, int) else layers)]
         picked = [h if keep_cls else h[:, 1:] for h in picked]
-        return self.multi_modal_projector(torch.cat(picked, dim=-1))
+        return self.multi_modal_projector(torch.cat(picked, dim=-1).to(self.multi_modal_projector.linear_1.weight.dtype))
 
     def image_features(self, items) -> dict[str, torch.Tensor]:
         """Features per image hash: from the cache, else one encoder call for all missing images."""
