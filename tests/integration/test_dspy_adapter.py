@@ -1,6 +1,7 @@
 """SGLangLM (adapters/dspy) end to end with real dspy 3.4, on the in-process engine and on the server fixture."""
 import asyncio
 import importlib.util
+import json
 import os
 import sys
 from typing import Literal
@@ -78,6 +79,23 @@ def test_react_with_local_tool(lm):
         assert steps and all(r.trajectory[k] in ("word_length", "finish") for k in steps)
         assert not any("Execution error" in str(v) for v in r.trajectory.values()), r.trajectory
     assert all(isinstance(w, str) for w in calls)
+
+
+def test_native_tool_call(lm):
+    """Declared capabilities: DSPy sends schemas and tools. A required tool call arrives as a parsed call to
+    a declared tool with arguments matching its parameters."""
+    assert lm.supports_response_schema and lm.supports_function_calling and "tools" in lm.supported_params
+
+    def word_length(word: str) -> str:
+        """Returns the number of letters in a word."""
+        return str(len(word))
+
+    spec = dspy.Tool(word_length).format_as_litellm_function_call()
+    out = lm("How many letters are in 'banana'?", tools=[spec], tool_choice="required", max_tokens=32)
+    (call,) = out[0]["tool_calls"][:1]
+    assert call["function"]["name"] == "word_length"
+    args = json.loads(call["function"]["arguments"])
+    assert set(args) == {"word"} and isinstance(args["word"], str)
 
 
 def test_rag_module_batch_and_evaluate(lm):

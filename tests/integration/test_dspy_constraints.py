@@ -84,3 +84,21 @@ def test_json_object_fallback_gets_the_signature_schema_and_react_tool_args():
 
 def test_plain_prompts_are_not_constrained():
     assert constraint_for(None, "hi", None, None, None) == {}
+
+
+def test_native_tool_calls_constraint_and_parse():
+    from dspy.lm15 import FunctionTool
+
+    from sglang_dspy.constraints import parse_tool_calls, with_tool_calls
+
+    tool = FunctionTool(name="word_length", description="Letters in a word.",
+                        parameters={"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]})
+    call = '{"tool_calls": [{"name": "word_length", "arguments": {"word": "banana"}}]}'
+    free = with_tool_calls({}, [tool], False, 40, 3)["regex"]
+    assert _full(free, call) and _full(free, "Six letters.")
+    assert not _full(free, call.replace("word_length", "other"))
+    required = with_tool_calls({"json_schema": '{"type": "object", "properties": {"answer": {"type": "string"}}, '
+                                               '"required": ["answer"]}'}, [tool], True, 40, 3)["regex"]
+    assert _full(required, call) and not _full(required, '{"answer": "six"}')
+    assert parse_tool_calls(call, {"word_length"}) == [("word_length", {"word": "banana"})]
+    assert parse_tool_calls('{"answer": "six"}', {"word_length"}) is None

@@ -102,6 +102,12 @@ def type_schema(type_name: str, max_string_length: int | None, max_items: int | 
         return schema
     if t == "list":
         return {"type": "array", "items": {"type": "string"}, **({"maxItems": max_items} if max_items else {})}
+    if t == "ToolCalls":  # dspy.ToolCalls as a text field (adapters without native function calling)
+        call = {"type": "object", "properties": {"name": _string(max_string_length), "args": type_schema(
+            "dict", max_string_length, max_items)}, "required": ["name", "args"], "additionalProperties": False}
+        return {"type": "object", "properties": {"tool_calls": {"type": "array", "items": call, "minItems": 1,
+                                                                "maxItems": max_items or 4}},
+                "required": ["tool_calls"], "additionalProperties": False}
     if t == "dict" or t.startswith("dict["):
         # Open mapping (ReAct's tool args): string keys, scalar values, a few entries so it closes in time.
         args = _split_args(t[5:-1]) if t.startswith("dict[") else []
@@ -155,7 +161,7 @@ def _chat_value_regex(type_name: str, max_string_length: int | None, max_items: 
         schema = type_schema(t, max_string_length, max_items)
         if "enum" in schema:
             return "(?:" + "|".join(re.escape(str(v)) for v in schema["enum"]) + ")"
-    if t.startswith(("list", "dict")):
+    if t.startswith(("list", "dict", "ToolCalls")):
         return build_regex_from_schema(type_schema(t, max_string_length, max_items))
     # Free text: one line (a newline ends the field), at least one visible character.
     return r"[^\n\[ ][^\n]" + ("{0,%d}" % (max_string_length - 1) if max_string_length else "*")
@@ -194,3 +200,55 @@ def constraint_for(system: str | None, last_user: str | None, response_format: d
     if fields and system and CHAT_COMPLETED in system and (last_user is None or "[[ ## " in last_user):
         return {"regex": chat_regex(fields, max_string_length, max_items, tool_variants(system, fields))}
     return {}
+
+
+# Native function calling ------------------------------------------------------------------------------------------
+def tools_prompt(tools) -> str:
+    """The tools, described for a model without a tool-calling chat template (appended to the system turn)."""
+    lines = ["You can call these tools:"]
+    for t in tools:
+        lines.append(f"- {t.name}: {t.description or ''} Arguments (JSON schema): {json.dumps(t.parameters)}")
+    lines.append('To call tools, reply with only a JSON object {"tool_calls": [{"name": <tool name>, "arguments": '
+                 '{...}}]}. Otherwise reply as described above.')
+    return "\n".join(lines)
+
+
+def tool_calls_schema(tools, max_string_length: int | None, max_items: int | None) -> dict:
+    """JSON schema of a reply that calls one or more of ``tools`` with their declared arguments."""
+    calls = [{"type": "object", "properties": {"name": {"const": t.name},
+                                               "arguments": bound_schema(t.parameters, max_string_length, max_items)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return {"type": "object", "properties": {"tool_calls": {"type": "array", "items": {"anyOf": calls},
+                                                            "minItems": 1, "maxItems": max_items or 4}},
+            "required": ["tool_calls"], "additionalProperties": False}
+
+
+def with_tool_calls(answer: dict, tools, required: bool, max_string_length: int | None,
+                    max_items: int | None) -> dict:
+    """A regex constraint: a tool-call object, or (unless a call is required) the answer's own constraint
+    (free text not starting with "{" when the answer is unconstrained)."""
+    calls = build_regex_from_schema(tool_calls_schema(tools, max_string_length, max_items))
+    if required:
+        return {"regex": calls}
+    if "json_schema" in answer:
+        other = build_regex_from_schema(json.loads(answer["json_schema"]))
+    else:
+        other = answer.get("regex", r"[^{\s][\s\S]*")
+    return {"regex": f"(?:{calls}|{other})"}
+
+
+def parse_tool_calls(text: str, names: set[str]) -> list[tuple[str, dict]] | None:
+    """[(name, arguments)] when ``text`` is a tool-call reply to known tools, else None."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    calls = obj.get("tool_calls") if isinstance(obj, dict) else None
+    if not isinstance(calls, list) or not calls:
+        return None
+    out = []
+    for c in calls:
+        if not isinstance(c, dict) or c.get("name") not in names or not isinstance(c.get("arguments", {}), dict):
+            return None
+        out.append((c["name"], c.get("arguments", {})))
+    return out

@@ -13,7 +13,9 @@ into the runtime's primitives:
   remaining branches;
 * structured output: ``response_format`` schemas, JSONAdapter's field list (where DSPy only says
   ``json_object``) and ChatAdapter's ``[[ ## field ## ]]`` sections become JSON-schema / regex constraints
-  (see constraints.py), so the output parses.
+  (see constraints.py), so the output parses;
+* native function calling (``tools``): the tools are described in the system turn and the reply is
+  constrained to either a call of a declared tool with its parameters or the ordinary answer.
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ from dspy.lm15 import (
     ServerError,
     TextPart,
     TokenLogprob,
+    ToolCallPart,
+    ToolResultPart,
     TopLogprob,
     UnsupportedFeatureError,
     Usage,
     response_to_events,
 )
 
-from .constraints import constraint_for
+from .constraints import constraint_for, parse_tool_calls, tools_prompt, with_tool_calls
 
 _ENGINES: dict[str, Any] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -325,25 +329,33 @@ class _HTTPBackend:
 
 # The engine DSPy calls -----------------------------------------------------------------------------------------
 _SUPPORTED = frozenset({"response_format", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                        "stop", "n", "logprobs", "top_logprobs", "seed", "frequency_penalty", "presence_penalty"})
+                        "stop", "n", "logprobs", "top_logprobs", "seed", "frequency_penalty", "presence_penalty",
+                        "tools", "tool_choice"})
 
 
 def _text(msg: Message) -> str:
-    text = msg.text
-    if text is None:
-        if any(not isinstance(p, TextPart) for p in msg.parts):
-            kinds = sorted({p.type for p in msg.parts})
-            raise UnsupportedFeatureError(f"SGLangLM takes text messages only (got parts {kinds})",
+    """A message as the text the chat template gets: tool calls as the JSON the model is asked to write,
+    tool results as text."""
+    pieces = []
+    for p in msg.parts:
+        if isinstance(p, TextPart):
+            pieces.append(p.text)
+        elif isinstance(p, ToolCallPart):
+            pieces.append(json.dumps({"tool_calls": [{"name": p.name, "arguments": p.input}]}))
+        elif isinstance(p, ToolResultPart):
+            body = "".join(getattr(c, "text", "") for c in p.content)
+            pieces.append(f"Result of tool {p.name or ''} (call {p.id}){' [error]' if p.is_error else ''}: {body}")
+        else:
+            raise UnsupportedFeatureError(f"SGLangLM takes text messages only (got a {p.type} part)",
                                           provider="sglang")
-        text = "".join(p.text for p in msg.parts)
-    return text
+    return "".join(pieces)
 
 
 class SGLangEngine:
     """One attempt of one DSPy call: ``complete(Request) -> Response`` (the DSPy 3.4 engine contract)."""
 
     supports_response_schema = True
-    supports_function_calling = False
+    supports_function_calling = True  # tools described in the system turn, calls constrained to their schemas
     supports_reasoning = False
     supported_params = _SUPPORTED
 
@@ -361,13 +373,27 @@ class SGLangEngine:
         opts.update(options)
         return SGLangEngine(self.backend, **opts)
 
+    @staticmethod
+    def _tools(request) -> list:
+        """The function tools this call may use (none when tool_choice is "none")."""
+        choice = request.config.tool_choice
+        if choice is not None and choice.mode == "none":
+            return []
+        if any(t.type != "function" for t in request.tools):
+            raise UnsupportedFeatureError("SGLangLM runs function tools only (no provider built-in tools)",
+                                          provider="sglang")
+        allowed = set(choice.allowed) if choice is not None and choice.allowed else None
+        return [t for t in request.tools if allowed is None or t.name in allowed]
+
     def _messages(self, request) -> list[dict]:
-        if request.tools:
-            raise UnsupportedFeatureError("SGLangLM does not do native function calling; DSPy's adapters "
-                                          "describe tools in the prompt instead", provider="sglang")
         out = []
+        system = None
         if request.system is not None:
             system = request.system if isinstance(request.system, str) else "".join(p.text for p in request.system)
+        tools = self._tools(request)
+        if tools:
+            system = (system + "\n\n" if system else "") + tools_prompt(tools)
+        if system is not None:
             out.append({"role": "system", "content": system})
         for m in request.messages:
             role = {"developer": "system", "tool": "user"}.get(m.role, m.role)
@@ -391,18 +417,29 @@ class SGLangEngine:
             system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
             last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), None)
             sp.update(constraint_for(system, last_user, c.response_format, self.max_string_length, self.max_items))
+            tools = self._tools(request)
+            if tools:
+                required = c.tool_choice is not None and c.tool_choice.mode == "required"
+                answer = {k: sp.pop(k) for k in ("json_schema", "regex") if k in sp}
+                sp.update(with_tool_calls(answer, tools, required, self.max_string_length, self.max_items))
         return sp
 
     def _run(self, request, n: int) -> list[Response]:
         messages = self._messages(request)
         sp = self._sampling(request, messages)
         branches = self.backend.generate(messages, sp, n, request.config.logprobs, self.prefix_hints)
-        return [Response(id=f"chatcmpl-{uuid.uuid4().hex}", model=request.model,
-                         message=Message.assistant([TextPart(b.text)]), finish_reason=b.finish,
-                         usage=Usage(input_tokens=b.prompt_tokens, output_tokens=b.completion_tokens,
-                                     cache_read_tokens=b.cached_tokens),
-                         logprobs=b.logprobs)
-                for b in branches]
+        names = {t.name for t in self._tools(request)}
+        out = []
+        for b in branches:
+            calls = parse_tool_calls(b.text, names) if names else None
+            parts = ([ToolCallPart(id=f"call_{uuid.uuid4().hex[:24]}", name=name, input=args) for name, args in calls]
+                     if calls else [TextPart(b.text)])
+            out.append(Response(id=f"chatcmpl-{uuid.uuid4().hex}", model=request.model,
+                                message=Message.assistant(parts), finish_reason="tool_call" if calls else b.finish,
+                                usage=Usage(input_tokens=b.prompt_tokens, output_tokens=b.completion_tokens,
+                                            cache_read_tokens=b.cached_tokens),
+                                logprobs=b.logprobs))
+        return out
 
     def complete(self, request) -> Response:
         fork = _FORK.get()
