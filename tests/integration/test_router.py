@@ -157,6 +157,11 @@ def dp_cluster(tiny_gqa_dir, tmp_path_factory):
 
 def test_cache_aware_routing_and_failover(dp_cluster):
     workers = dp_cluster["workers"]
+    # What the router asks a worker for at registration, and a feature it may forward that we lack.
+    for path in ("/server_info", "/model_info", "/get_load", "/v1/loads"):
+        assert httpx.get(workers[0] + path, timeout=10).status_code == 200, path
+    r = httpx.post(workers[0] + "/generate", json={"text": "x", "return_hidden_states": True}, timeout=10)
+    assert r.status_code == 400 and "return_hidden_states" in r.json()["error"]["message"]
     t0 = time.monotonic()
     rr = run_workload(dp_cluster["round_robin"], workers)
     ca = run_workload(dp_cluster["cache_aware"], workers)
