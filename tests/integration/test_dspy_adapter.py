@@ -136,6 +136,7 @@ def test_structured_output_parses_20(engine_lm):
     off = _typed_failures(engine_lm.copy(constrain=False))
     print(f"typed signature x20: parse failures constraints on={on} off={off}")
     assert on == 0
+    engine_lm.runtime.check_pool_whole()
 
 
 def test_n5_is_one_fork(lm):
@@ -185,3 +186,4 @@ def test_fewshot_reuse_near_optimal_and_hints_help(engine_lm):
     # included, reads the demos from the cache.
     assert hinted["request_hit_rate"] > plain["request_hit_rate"]
     assert hinted["min_cached_tokens"] > 0 and plain["min_cached_tokens"] == 0
+    engine_lm.runtime.check_pool_whole()
