@@ -33,7 +33,7 @@ class TritonAttnBackend(AttentionBackend):
     supports_fused_kv_store = True
 
     def __init__(self, model_runner):
-        cfg = model_runner.config
+        cfg = getattr(model_runner, "text_config", None) or model_runner.config  # LLaVA: the LM's config
         self.device = torch.device(model_runner.device)
         self.num_heads = model_runner.num_heads  # this rank's heads (tensor parallelism splits them)
         self.num_kv_heads = model_runner.num_kv_heads
