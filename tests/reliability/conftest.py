@@ -1,7 +1,7 @@
 """Reliability fixtures: real ``sglang-backend serve`` subprocesses on 127.0.0.1, each serving the tiny dummy Llama
 (vocab 512, 512 positions) so that thousands of requests take seconds on two CPU cores.
 
-* ``rel_server`` (module scope): default limits, two API keys (``KEY_A``, ``KEY_B``: two clients whose request
+* ``rel_server`` (session scope): default limits, two API keys (``KEY_A``, ``KEY_B``: two clients whose request
   ids must stay apart). After every test that used it: alive, ``/health`` 200, KV pool whole.
 * ``start_server(tmp_path_factory, tiny_dir, *flags, env=...)``: a dedicated server (fault injection, overload
   limits, a server the test kills); the caller stops it (``stop()`` returns orphaned descendants, if any).
@@ -60,7 +60,7 @@ def assert_healthy_and_whole(handle: ServerHandle) -> None:
     handle.assert_pool_whole(timeout=60)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def rel_server(tmp_path_factory, tiny_gqa_dir):
     handle = start_server(tmp_path_factory, tiny_gqa_dir)
     try:
@@ -77,7 +77,7 @@ def _rel_server_whole_after_test(request):
         assert_healthy_and_whole(request.getfixturevalue("rel_server"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def rel(tmp_path_factory, tiny_gqa_dir):
     """The helpers above for test modules (conftest modules are not importable by name)."""
     import functools

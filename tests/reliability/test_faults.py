@@ -33,47 +33,85 @@ async def run_batch(server, prompts) -> list[httpx.Response]:
                                       for p in prompts])
 
 
-@pytest.mark.parametrize("mode,token", [("nan", NAN_TOKEN), ("raise", RAISE_TOKEN)])
-def test_fault_in_one_request_fails_only_that_request(rel, mode, token):
-    c = rel
+@pytest.fixture(scope="module")
+def fault_server(rel):
+    """One server with both rules: prompts holding NAN_TOKEN get NaN logits, RAISE_TOKEN a raising forward."""
     rules = [{"mode": "nan", "token": NAN_TOKEN, "after": 3}, {"mode": "raise", "token": RAISE_TOKEN, "after": 3}]
-    server = c.start_server(env={ENV_VAR: json.dumps(rules)})
-    try:
-        clean = asyncio.run(run_batch(server, PROMPTS))
-        assert all(r.status_code == 200 for r in clean)
-        poisoned = [p + [token] if i == 3 else p for i, p in enumerate(PROMPTS)]
-        clean_poisoned_free = [r.json()["output_ids"] for i, r in enumerate(clean) if i != 3]
-        faulty = asyncio.run(run_batch(server, poisoned))
-        bad = faulty[3]
-        assert bad.status_code == 500, bad.text
-        err = bad.json()["error"]
-        assert ("non-finite" in err["message"]) if mode == "nan" else ("InjectedFault" in err["message"]), err
-        assert "Traceback" not in bad.text
-        others = [r for i, r in enumerate(faulty) if i != 3]
-        assert all(r.status_code == 200 for r in others), [r.text for r in others]
-        assert [r.json()["output_ids"] for r in others] == clean_poisoned_free
-        # A streaming poisoned request ends with an error event, not a broken connection.
-        with httpx.stream("POST", server.url + "/generate", headers=server.headers, timeout=60,
-                          json={"input_ids": poisoned[3], "sampling_params": GREEDY, "stream": True}) as r:
-            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
-        c.assert_healthy_and_whole(server)
-    finally:
-        orphans = server.stop()
-    assert not orphans
+    server = rel.start_server(env={ENV_VAR: json.dumps(rules)})
+    yield server
+    assert not server.stop(check=False)
 
 
-@pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
-def test_killed_pipeline_process(rel, victim):
+@pytest.mark.parametrize("mode,token", [("nan", NAN_TOKEN), ("raise", RAISE_TOKEN)])
+def test_fault_in_one_request_fails_only_that_request(rel, fault_server, mode, token):
+    server = fault_server
+    clean = asyncio.run(run_batch(server, PROMPTS))
+    assert all(r.status_code == 200 for r in clean)
+    poisoned = [p + [token] if i == 3 else p for i, p in enumerate(PROMPTS)]
+    clean_others = [r.json()["output_ids"] for i, r in enumerate(clean) if i != 3]
+    faulty = asyncio.run(run_batch(server, poisoned))
+    bad = faulty[3]
+    assert bad.status_code == 500, bad.text
+    err = bad.json()["error"]
+    assert ("non-finite" in err["message"]) if mode == "nan" else ("InjectedFault" in err["message"]), err
+    assert "Traceback" not in bad.text
+    others = [r for i, r in enumerate(faulty) if i != 3]
+    assert all(r.status_code == 200 for r in others), [r.text for r in others]
+    assert [r.json()["output_ids"] for r in others] == clean_others
+    # A streaming poisoned request ends with an error event, not a broken connection.
+    with httpx.stream("POST", server.url + "/generate", headers=server.headers, timeout=60,
+                      json={"input_ids": poisoned[3], "sampling_params": GREEDY, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+    rel.assert_healthy_and_whole(server)
+
+
+@pytest.fixture(scope="module")
+def limits_server(rel):
+    server = rel.start_server("--max-running-requests", "2", "--max-queued-requests", "2", "--request-timeout", "3")
+    yield server
+    assert not server.stop(check=False)
+
+
+def test_overload_gets_503_with_retry_after_and_timeouts_504(rel, limits_server):
+    c, server = rel, limits_server
+    long = {"max_new_tokens": 450, "temperature": 0, "ignore_eos": True}
+
+    async def burst():
+        async with server.async_client(timeout=30) as client:
+            return await asyncio.gather(*[client.post("/generate", json={"input_ids": PROMPTS[i % 8],
+                                                                          "sampling_params": long}) for i in range(12)])
+
+    t0 = time.monotonic()
+    results = asyncio.run(burst())
+    codes = sorted(r.status_code for r in results)
+    refused = [r for r in results if r.status_code == 503]
+    assert len(refused) >= 8, codes  # 2 running + 2 queued at most
+    assert all(r.headers.get("retry-after") for r in refused)
+    assert all("overloaded" in r.json()["error"]["message"] for r in refused)
+    # The admitted ones either finished or hit the 3 s timeout (504): nothing hangs.
+    assert all(r.status_code in (200, 504) for r in results if r.status_code != 503), codes
+    assert time.monotonic() - t0 < 20
+    r = httpx.post(server.url + "/generate", headers=server.headers, timeout=30,
+                   json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}})
+    if r.status_code == 504:
+        assert r.json()["error"]["type"] == "timeout_error"
+    c.assert_healthy_and_whole(server)  # timed-out requests were aborted and their KV freed
+
+
+# Last in the module: each kills the (module-scoped) server it uses.
+@pytest.mark.parametrize("victim,server_fixture", [("scheduler", "fault_server"), ("detokenizer", "limits_server")])
+def test_killed_pipeline_process(request, rel, victim, server_fixture):
     c = rel
-    server = c.start_server()
+    server = request.getfixturevalue(server_fixture)
     try:
         info = httpx.get(server.url + "/get_server_info", headers=server.headers, timeout=10).json()
         pid = info["pipeline_pids"][victim]
         children = c.descendants(server.proc.pid)
-        long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+        long = {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}
 
         async def scenario():
+            streaming = asyncio.Barrier(2)  # the stream has output (so both requests run) and the killer
             async with server.async_client(timeout=30) as client:
                 async def non_stream(i):
                     r = await client.post("/generate", json={"input_ids": PROMPTS[i], "sampling_params": long})
@@ -85,12 +123,14 @@ def test_killed_pipeline_process(rel, victim):
                         last = None
                         async for line in r.aiter_lines():
                             if line.startswith("data: ") and line != "data: [DONE]":
+                                if last is None:
+                                    await streaming.wait()
                                 last = line
                     return time.monotonic(), r.status_code, last
 
-                tasks = [asyncio.create_task(non_stream(i)) for i in range(4)] + \
-                        [asyncio.create_task(stream(i)) for i in range(4, 8)]
-                await asyncio.sleep(1.0)  # all running
+                # Two requests: the limits server runs at most two at once.
+                tasks = [asyncio.create_task(non_stream(0)), asyncio.create_task(stream(1))]
+                await asyncio.wait_for(streaming.wait(), 20)
                 killed_at = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
                 return killed_at, await asyncio.gather(*tasks)
@@ -116,37 +156,6 @@ def test_killed_pipeline_process(rel, victim):
         assert not leftovers(), "pipeline processes (or their zombies) outlived the server"
     finally:
         server.stop(check=False)
-
-
-def test_overload_gets_503_with_retry_after_and_timeouts_504(rel):
-    c = rel
-    server = c.start_server("--max-running-requests", "2", "--max-queued-requests", "2",
-                            "--request-timeout", "3")
-    try:
-        long = {"max_new_tokens": 450, "temperature": 0, "ignore_eos": True}
-
-        async def burst():
-            async with server.async_client(timeout=30) as client:
-                return await asyncio.gather(*[client.post("/generate", json={"input_ids": PROMPTS[i % 8],
-                                                                              "sampling_params": long}) for i in range(12)])
-
-        t0 = time.monotonic()
-        results = asyncio.run(burst())
-        codes = sorted(r.status_code for r in results)
-        refused = [r for r in results if r.status_code == 503]
-        assert len(refused) >= 8, codes  # 2 running + 2 queued at most
-        assert all(r.headers.get("retry-after") for r in refused)
-        assert all("overloaded" in r.json()["error"]["message"] for r in refused)
-        # The admitted ones either finished or hit the 3 s timeout (504): nothing hangs.
-        assert all(r.status_code in (200, 504) for r in results if r.status_code != 503), codes
-        assert time.monotonic() - t0 < 20
-        r = httpx.post(server.url + "/generate", headers=server.headers, timeout=30,
-                       json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}})
-        if r.status_code == 504:
-            assert r.json()["error"]["type"] == "timeout_error"
-        c.assert_healthy_and_whole(server)  # timed-out requests were aborted and their KV freed
-    finally:
-        server.stop()
 
 
 def test_request_ids_are_scoped_per_api_key(rel_server):
