@@ -7,7 +7,8 @@ Presets (sizes per workload are in each workload module's SIZES):
 * ``--preset gpu``: dummy weights at Llama-2-7B shape, fp16, triton attention on one GPU, paper-like sizes.
 
 Every output length is fixed (greedy, ignore_eos), so all baselines do the same work. By default every
-workload runs under ``full`` and ``no_cache`` in throughput and latency mode, and the other ablations and
+workload runs under ``full`` and ``no_cache`` in throughput and latency mode (gpu preset: throughput only,
+``--modes throughput,latency`` for both), and the other ablations and
 the HF peer run on ``--ablation-workloads`` (``no_jump_forward`` only where a regex is decoded). Results:
 ``results.jsonl`` (one row per workload x baseline x mode), ``summary.md`` and PNG figures in ``--output``.
 """
@@ -36,7 +37,7 @@ PRESETS = {
     "cpu": dict(ablation_workloads=["mmlu", "tree_of_thought", "json_decode"], latency_instances=2,
                 extra=["no_tree", "fcfs", "random", "no_frontend_parallel", "no_hints", "no_jump_forward",
                        "hf_sequential", "hf_batched"]),
-    "gpu": dict(ablation_workloads=["mmlu", "json_decode"], latency_instances=2,
+    "gpu": dict(ablation_workloads=["mmlu", "json_decode"], latency_instances=2, modes="throughput",
                 extra=["no_tree", "no_frontend_parallel", "no_hints", "no_jump_forward"]),
 }
 MAIN_BASELINES = ["full", "no_cache"]
@@ -70,9 +71,11 @@ def plan(names: list[str], baselines: list[str] | None, ablation_workloads: list
     """(baseline, workload, mode) triples, grouped by baseline so each engine starts once."""
     triples = []
     wanted = baselines or MAIN_BASELINES + extra
-    # Baselines on the same engine run back to back (one engine start each): full, its frontend ablations.
-    same_engine = [b for b in wanted if not BASELINES[b].engine and not BASELINES[b].hf_batch]
-    wanted = same_engine + [b for b in wanted if b not in same_engine]
+    # The main comparison first (a --time-budget cuts the tail), then the ablations; baselines on the same
+    # engine as the one before run back to back (one engine start each).
+    rest = [b for b in wanted if b not in MAIN_BASELINES]
+    frontend = [b for b in rest if not BASELINES[b].engine and not BASELINES[b].hf_batch]
+    wanted = [b for b in MAIN_BASELINES if b in wanted] + frontend + [b for b in rest if b not in frontend]
     for b in wanted:
         for name in names:
             mod = wl_registry.load(name)
@@ -117,7 +120,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="run only these baselines, on every selected workload (repeatable)")
     parser.add_argument("--ablation-workloads", default=None,
                         help="comma list: where the non-main baselines run by default (default: by preset)")
-    parser.add_argument("--modes", default="throughput,latency", help="comma list of throughput, latency")
+    parser.add_argument("--modes", default=None,
+                        help="comma list of throughput, latency (default: both; gpu preset: throughput)")
     parser.add_argument("--latency-instances", type=int, default=None, help="programs per latency run")
     parser.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
                         help="override a size field in every selected workload that has it, e.g. n=8")
@@ -151,6 +155,18 @@ def _make_backend(baseline: Baseline, model_path, engine_kwargs, tokenizer, pres
     return engine, EngineBackend(engine, fork_hints=baseline.fork_hints)
 
 
+def release(backend, names: list[str]) -> None:
+    """Stops the engine (or HF model) and frees its memory before the next one starts (GPU: weights + pool)."""
+    backend.shutdown()
+    for name in names:  # workloads that keep per-engine objects (the DSPy LM) drop them
+        getattr(wl_registry.load(name), "reset", lambda: None)()
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def budget_over(budget: float | None, t_start: float) -> bool:
     return budget is not None and time.perf_counter() - t_start > budget
 
@@ -175,7 +191,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out_dir = args.output or os.path.join(default_root, f"suite_{preset}")
     os.makedirs(out_dir, exist_ok=True)
     ablation_workloads = args.ablation_workloads.split(",") if args.ablation_workloads else cfg["ablation_workloads"]
-    modes = [m for m in args.modes.split(",") if m]
+    modes = [m for m in (args.modes or cfg.get("modes", "throughput,latency")).split(",") if m]
+    if not modes or set(modes) - {"throughput", "latency"}:
+        raise SystemExit(f"--modes takes throughput and/or latency, got {args.modes!r}")
     latency_n = args.latency_instances or cfg["latency_instances"]
     model_path, engine_kwargs = engine_setup(preset, args.model_path)
     engine_kwargs.update(parse_sizes(args.engine_arg))
@@ -227,9 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             key = (baseline.hf_batch, tuple(sorted(baseline.engine.items())))
             if key != current:
                 if backend is not None:
-                    backend.shutdown()
+                    release(backend, names)
                     engine = backend = None
-                    gc.collect()
                 engine, backend = _make_backend(baseline, model_path, engine_kwargs, tokenizer, preset)
                 current = key
                 warm_up(engine, backend)
@@ -248,7 +265,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"{row['programs_per_s'] or 0:.3f} prog/s  hit {_fmt(row.get('hit_rate'))} "
                   f"opt {_fmt(row.get('optimal_hit_rate'))}  {row['elapsed_s']:.1f}s", file=sys.stderr)
         if backend is not None:
-            backend.shutdown()
+            release(backend, names)
     meta["wall_s"] = time.perf_counter() - t_start
     if budget_skipped:
         meta["skipped_for_time_budget"] = budget_skipped

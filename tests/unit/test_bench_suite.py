@@ -93,3 +93,16 @@ def test_table_cache_reuses_only_whole_entries(tiny_gqa_dir):
         engine.check_pool_whole()
     finally:
         engine.shutdown()
+
+
+def test_optimal_hit_rate_credits_decoded_tokens():
+    from sglang_backend.runtime.managers.schedule_policy import optimal_hit_rate
+
+    # Turn 2 = turn 1's prompt + its answer (all but the last answer token have KV from decoding) + a new token.
+    turn1, answer, turn2 = [1, 2, 3], [4, 5, 6], [1, 2, 3, 4, 5, 9]
+    assert optimal_hit_rate([(None, turn1), (None, turn2)]) == pytest.approx(1 - 6 / 9)
+    assert optimal_hit_rate([(None, turn1, answer), (None, turn2, [7])]) == pytest.approx(1 - 4 / 9)
+    # The last generated token (6) was never fed back: a prompt containing it must compute it.
+    assert optimal_hit_rate([(None, turn1, answer), (None, [1, 2, 3, 4, 5, 6], [])]) == pytest.approx(1 - 4 / 9)
+    # Decoded tokens of another namespace are not shared.
+    assert optimal_hit_rate([(None, turn1, answer), ("other", turn2, [])]) == pytest.approx(0.0)

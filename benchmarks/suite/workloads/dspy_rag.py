@@ -81,6 +81,12 @@ def _lm(SGLangLM, backend, max_tokens):
         return _STATE[key]
 
 
+def reset() -> None:
+    """Forgets the LMs built over an engine that is being shut down."""
+    with _LOCK:
+        _STATE.clear()
+
+
 def run_one(kwargs: dict, backend) -> None:
     dspy, SGLangLM = _modules()
     predict = _predictor(dspy, kwargs["demos"])
