@@ -97,7 +97,7 @@ CASES = [
     ("chat-regex-invalid", "POST", "/v1/chat/completions", chat(regex="([0-9"), {}, 400),
     ("chat-regex-unsatisfiable", "POST", "/v1/chat/completions", chat(regex="[^\\s\\S]"), {}, 400),
     ("chat-json-schema-invalid", "POST", "/v1/chat/completions", chat(json_schema={"type": "nonsense"}), {}, 400),
-    ("chat-ebnf", "POST", "/v1/chat/completions", chat(ebnf='root ::= "a"'), {}, 400),
+    ("chat-ebnf-invalid", "POST", "/v1/chat/completions", chat(ebnf="root ::= undefined_rule"), {}, 400),
     ("chat-tools", "POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400),
     # --- completions
     ("comp-missing-prompt", "POST", "/v1/completions", {"model": "default", "max_tokens": 4}, {}, 400),
@@ -178,7 +178,7 @@ RUNAWAY_CASES = [
     ("chat-prompt-plus-max-tokens-over-context", "/v1/chat/completions", chat(max_tokens=8190, ignore_eos=True)),
     ("gen-regex-invalid", "/generate", gen({"regex": "[0-9", "max_new_tokens": 8})),
     ("gen-json-schema-invalid", "/generate", gen({"json_schema": '{"type": "nonsense"}', "max_new_tokens": 8})),
-    ("gen-ebnf-not-supported", "/generate", gen({"ebnf": 'root ::= "a"', "max_new_tokens": 8})),
+    ("gen-ebnf-invalid", "/generate", gen({"ebnf": "root ::= undefined_rule", "max_new_tokens": 8})),
 ]
 
 

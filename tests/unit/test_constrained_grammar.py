@@ -187,7 +187,8 @@ def test_multibyte_tokens_inside_characters(cache, tokenizer):
         ("json_schema", '{"type": "strin"}', "invalid schema"),
         ("json_schema", "{bad json", "invalid schema"),
         ("json_schema", '{"type": "integer", "minimum": 3, "maximum": 2}', "unsatisfiable"),
-        ("ebnf", "root ::= 'a'", "unknown grammar kind"),
+        ("ebnf", "root ::= undefined_rule", "invalid ebnf grammar"),
+        ("yaml", "a: 1", "unknown grammar kind"),
     ],
 )
 def test_compile_errors(tokenizer, tmp_path, kind, spec, match):

@@ -3,7 +3,8 @@
 Lifecycle
 ---------
 One :class:`GrammarCache` per scheduler (per tokenizer). ``compile(kind, spec)`` turns a regex or a JSON
-schema into a :class:`CompiledGrammar` (byte DFA + token index + compressed-FSM analysis), raising
+schema into a :class:`CompiledGrammar` (byte DFA + token index + compressed-FSM analysis) - or an ``ebnf``
+(GBNF / Lark) grammar into an ``llguidance_backend.LLGuidanceGrammar`` with the same matcher interface - raising
 ``ValueError`` *before decoding* for invalid, unsatisfiable, too complex or tokenizer-unrealisable
 grammars. Results (and failures) are cached in memory (LRU); indexes also on disk. ``submit`` does the
 same on a worker thread and returns a ``Future`` so a new grammar never stalls the decode loop: park the
@@ -69,7 +70,7 @@ __all__ = [
     "apply_jump_forward",
 ]
 
-_KINDS = {"regex": "regex", "json_schema": "json_schema", "json": "json_schema"}
+_KINDS = {"regex": "regex", "json_schema": "json_schema", "json": "json_schema", "ebnf": "ebnf", "lark": "ebnf"}
 
 
 class CompiledGrammar:
@@ -289,7 +290,8 @@ def fill_masks(logits: torch.Tensor, matchers, stacked: bool | None = None) -> N
     width = logits.shape[-1]
     if stacked is None:
         stacked = logits.device.type != "cpu"
-    if not stacked or any(matchers[i].grammar.vocab_size != width for i in rows):
+    if not stacked or any(not isinstance(matchers[i], GrammarMatcher) or matchers[i].grammar.vocab_size != width
+                          for i in rows):
         for i in rows:
             matchers[i].fill_mask(logits[i])
         return
@@ -309,10 +311,10 @@ def fill_masks(logits: torch.Tensor, matchers, stacked: bool | None = None) -> N
 def _normalise_spec(kind: str, spec: Any) -> tuple[str, str]:
     k = _KINDS.get(kind)
     if k is None:
-        raise ValueError(f"unknown grammar kind {kind!r}; expected 'regex' or 'json_schema'")
-    if k == "regex":
+        raise ValueError(f"unknown grammar kind {kind!r}; expected 'regex', 'json_schema' or 'ebnf'")
+    if k in ("regex", "ebnf"):
         if not isinstance(spec, str):
-            raise ValueError(f"invalid regex {spec!r}: expected a string")
+            raise ValueError(f"invalid {k} {spec!r}: expected a string")
         return k, spec
     if isinstance(spec, (dict, bool)):
         return k, json.dumps(spec, ensure_ascii=False)
@@ -349,6 +351,15 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._pending: dict[tuple[str, str], Future] = {}
+        self._llguidance = None  # context-free (ebnf) grammars: llguidance_backend, built on first use
+
+    def _ebnf(self, spec: str):
+        from .llguidance_backend import LLGuidanceCompiler
+
+        with self._lock:
+            if self._llguidance is None:
+                self._llguidance = LLGuidanceCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._llguidance.compile(spec)
 
     @property
     def stats(self) -> dict:
@@ -356,6 +367,8 @@ class GrammarCache:
 
     def to_regex(self, kind: str, spec: Any) -> str:
         k, s = _normalise_spec(kind, spec)
+        if k == "ebnf":
+            raise ValueError("an ebnf grammar is context-free: it has no regex form")
         return s if k == "regex" else build_regex_from_schema(s, self.whitespace)
 
     def _cached(self, key):
@@ -374,17 +387,21 @@ class GrammarCache:
                 raise ValueError(str(hit))
             return hit  # type: ignore[return-value]
         try:
-            regex = key[1] if key[0] == "regex" else build_regex_from_schema(key[1], self.whitespace)
-            dfa, index = self.index_cache.get(regex)
+            if key[0] == "ebnf":
+                compiled = self._ebnf(key[1])
+            else:
+                regex = key[1] if key[0] == "regex" else build_regex_from_schema(key[1], self.whitespace)
+                dfa, index = self.index_cache.get(regex)
         except ValueError as e:
             with self._lock:
                 self._lru[key] = e
                 self._trim()
             raise
-        compiled = CompiledGrammar(key[0], key[1], regex, dfa, index, self.vocab, self.eos_token_ids)
+        if key[0] != "ebnf":
+            compiled = CompiledGrammar(key[0], key[1], regex, dfa, index, self.vocab, self.eos_token_ids)
         with self._lock:
             existing = self._lru.get(key)
-            if isinstance(existing, CompiledGrammar):
+            if existing is not None and not isinstance(existing, ValueError):
                 return existing
             self._lru[key] = compiled
             self._trim()

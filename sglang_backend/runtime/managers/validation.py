@@ -113,14 +113,12 @@ def check_logprob_args(input_len: int, logprob_start_len: int | None, top_logpro
 
 
 def check_grammar(sp: SamplingParams, grammar_cache) -> None:
-    """Compiles the request's regex / JSON schema now (cached), so an invalid, unsatisfiable or
-    unrealisable one is a clear error before any decoding."""
+    """Compiles the request's regex / JSON schema / ebnf grammar now (cached; ebnf needs llguidance), so an
+    invalid, unsatisfiable or unrealisable one is a clear error before any decoding."""
     for kind in ("regex", "json_schema", "ebnf"):
         spec = getattr(sp, kind)
         if spec is None:
             continue
-        if kind == "ebnf":
-            raise ValueError("EBNF grammars are not supported (use regex or json_schema)")
         try:
             grammar_cache.compile(kind, spec)
         except RecursionError:  # e.g. a schema nested hundreds of levels deep (jsonschema validates recursively)

@@ -1,0 +1,134 @@
+"""ebnf grammars through llguidance (constrained/llguidance_backend.py) with the SmolLM2 tokenizer and engine.
+
+The mask is checked against an independent oracle over the whole vocabulary: for a context-free grammar
+(nested parentheses) a token is allowed exactly when the text so far plus the token's bytes is still a prefix
+of some sentence, and EOS exactly when the text is a sentence.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+from sglang_backend.runtime.constrained import GrammarCache, get_vocabulary  # noqa: E402
+
+# expr = term ("+" term)*, term = digits | "(" expr ")": not a regular language (nesting).
+GBNF = 'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= [0-9]+ | "(" expr ")"'
+LARK = 'start: expr\nexpr: term ("+" term)*\nterm: /[0-9]+/ | "(" expr ")"'
+
+
+def viable(text: str) -> bool:
+    """Is ``text`` a prefix of a sentence of GBNF? (Any such prefix completes with digits and ')'.)"""
+    depth, prev = 0, ""
+    for ch in text:
+        if ch.isdigit() and ch.isascii():
+            if prev == ")":
+                return False
+        elif ch == "+":
+            if prev in ("", "(", "+"):
+                return False
+        elif ch == "(":
+            if prev not in ("", "(", "+"):
+                return False
+            depth += 1
+        elif ch == ")":
+            if prev in ("", "(", "+") or depth == 0:
+                return False
+            depth -= 1
+        else:
+            return False
+        prev = ch
+    return True
+
+
+def complete(text: str) -> bool:
+    return viable(text) and text != "" and text[-1] not in "(+" and text.count("(") == text.count(")")
+
+
+@pytest.fixture(scope="module")
+def cache(smollm_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    return GrammarCache(tok, len(tok), {tok.eos_token_id}, disk_cache=False)
+
+
+@pytest.mark.parametrize("spec", [GBNF, LARK], ids=["gbnf", "lark"])
+def test_mask_matches_oracle_over_whole_vocab(cache, spec):
+    vocab = get_vocabulary(cache.tokenizer)
+    texts = {}
+    for i, b in enumerate(vocab.token_bytes[: cache.vocab_size]):
+        if b is not None:
+            try:
+                texts[i] = b.decode("utf-8")
+            except UnicodeDecodeError:
+                texts[i] = None  # a partial character is never part of this ASCII grammar
+    eos = cache.tokenizer.eos_token_id
+    m = cache.compile("ebnf", spec).matcher()
+    sentence = "(12+(3))+45"
+    done = ""
+    for step in range(len(sentence) + 1):
+        allowed = set(m.allowed_token_ids())
+        expect = {i for i, t in texts.items() if t and viable(done + t)}
+        if complete(done):
+            expect.add(eos)
+        assert allowed == expect, (done, sorted(allowed ^ expect)[:10])
+        # Every allowed token keeps the parse alive; a disallowed one is refused and leaves the matcher as it was.
+        for tok in sorted(allowed - {eos})[:20]:
+            m.copy().advance(tok)
+        bad = next(i for i, t in texts.items() if t and not viable(done + t))
+        with pytest.raises(ValueError, match="not allowed"):
+            m.copy().advance(bad)
+        if step < len(sentence):
+            ch = sentence[step]
+            m.advance(cache.tokenizer.convert_tokens_to_ids(ch))
+            done += ch
+    assert m.is_accepting() and not m.is_finished()  # "+..." could still follow
+    m.advance(eos)
+    assert m.is_finished() and m.allowed_token_ids() == [eos]
+
+
+def test_forced_text_and_advance_text(cache):
+    m = cache.compile("ebnf", 'root ::= "Answer: " ("yes" | "no") "."').matcher()
+    assert m.forced_string() == "Answer: "
+    m.advance_text("Answer: ")
+    assert m.forced_string() == ""  # a choice
+    yes = cache.tokenizer.encode("yes", add_special_tokens=False)
+    for t in yes:
+        m.advance(t)
+    assert m.forced_string() == "."
+    m.advance_text(".")
+    assert m.is_finished()
+    with pytest.raises(ValueError):
+        cache.compile("ebnf", 'root ::= "a" "b"').matcher().advance_text("ax")
+
+
+@pytest.mark.parametrize("spec, match", [("root ::= undefined_rule", "invalid ebnf grammar"),
+                                         ("start: /[/", "invalid ebnf grammar"),
+                                         ("", "non-empty")])
+def test_invalid_grammar_is_a_value_error(cache, spec, match):
+    with pytest.raises(ValueError, match=match):
+        cache.compile("ebnf", spec)
+
+
+def test_without_llguidance_ebnf_is_a_clear_error(smollm_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance -> ImportError
+    with pytest.raises(ValueError, match="need the llguidance package"):
+        GrammarCache(tok, len(tok), {tok.eos_token_id}, disk_cache=False).compile("ebnf", GBNF)
+
+
+def test_engine_decodes_ebnf_with_jump_forward(smollm_engine):
+    grammar = 'root ::= "The sum is (" [1-9] "+" [1-9] ") = " [0-9]+ "."'
+    before = smollm_engine.scheduler.stats.num_jump_forward
+    out = smollm_engine.generate("What is 2+3? Answer in one sentence.",
+                                 {"ebnf": grammar, "temperature": 0, "max_new_tokens": 24})
+    assert re.fullmatch(r"The sum is \([1-9]\+[1-9]\) = [0-9]+\.", out["text"]), out["text"]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert smollm_engine.scheduler.stats.num_jump_forward > before
