@@ -161,30 +161,36 @@ def test_killed_pipeline_process(request, rel, victim, server_fixture):
 def test_request_ids_are_scoped_per_api_key(rel_server):
     a = {"Authorization": f"Bearer {KEY_A}"}
     b = {"Authorization": f"Bearer {KEY_B}"}
-    body = {"input_ids": PROMPTS[0], "rid": "shared-name", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True,
-                                                                                 "temperature": 0}}
+    body = {"input_ids": PROMPTS[0], "stream": True,
+            "sampling_params": {"max_new_tokens": 500, "ignore_eos": True, "temperature": 0}}
 
-    async def scenario():
+    async def while_running(rid: str, action):
+        """Starts key A's stream named ``rid``; once it has output, runs ``action(client)``; returns that and the
+        stream's final event."""
         async with httpx.AsyncClient(base_url=rel_server.url, timeout=60) as client:
-            task_a = asyncio.create_task(client.post("/generate", json=body, headers=a))
-            await asyncio.sleep(0.5)
-            # B knows A's rid: it can neither abort it nor is blocked from using the same name itself.
-            denied = await client.post("/abort_request", json={"rid": "shared-name"}, headers=b)
-            own_b = await client.post("/generate", headers=b, json={**body, "sampling_params": {"max_new_tokens": 2}})
-            return denied, own_b, await task_a
+            async with client.stream("POST", "/generate", json={**body, "rid": rid}, headers=a) as r:
+                events, result = [], None
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+                        if result is None:
+                            result = await action(client)
+            return result, events[-1]
 
-    denied, own_b, res_a = asyncio.run(scenario())
-    assert denied.status_code == 404
+    async def intruder(client):
+        # B knows A's rid: it can neither abort A's request nor is it blocked from using the same name itself.
+        denied = await client.post("/abort_request", json={"rid": "shared-name"}, headers=b)
+        own_b = await client.post("/generate", headers=b, json={"input_ids": PROMPTS[1], "rid": "shared-name",
+                                                                "sampling_params": {"max_new_tokens": 2}})
+        return denied, own_b
+
+    (denied, own_b), last = asyncio.run(while_running("shared-name", intruder))
+    assert denied.status_code == 404, denied.text
     assert own_b.status_code == 200 and own_b.json()["meta_info"]["id"] == "shared-name"
-    assert res_a.status_code == 200
-    assert res_a.json()["meta_info"]["finish_reason"]["type"] == "length", "B's abort reached A's request"
-    # The owner can abort by its own rid.
-    async def own_abort():
-        async with httpx.AsyncClient(base_url=rel_server.url, timeout=60) as client:
-            task = asyncio.create_task(client.post("/generate", json={**body, "rid": "mine"}, headers=a))
-            await asyncio.sleep(0.5)
-            ok = await client.post("/abort_request", json={"rid": "mine"}, headers=a)
-            return ok, await task
+    assert last["meta_info"]["finish_reason"]["type"] == "length", "B's abort reached A's request"
 
-    ok, res = asyncio.run(own_abort())
-    assert ok.status_code == 200 and res.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    async def owner(client):  # the owner can abort its request by its own rid
+        return await client.post("/abort_request", json={"rid": "mine"}, headers=a)
+
+    ok, last = asyncio.run(while_running("mine", owner))
+    assert ok.status_code == 200 and last["meta_info"]["finish_reason"]["type"] == "abort"
