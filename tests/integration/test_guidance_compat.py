@@ -209,7 +209,10 @@ def test_real_guidance_package_sglang_model(server):
     guidance_pkg = pytest.importorskip("guidance")
     from guidance.models.experimental import SglangModel
 
-    glm = SglangModel(model="default", base_url=server.url + "/v1", api_key=server.api_key)
+    # top_k=1 (sent as extra_body.top_k) = greedy: guidance 0.3.1 never sends temperature=0 (it drops falsy
+    # temperatures), so without it the answer is sampled at temperature 1. More in test_guidance_sglang_model.py.
+    glm = SglangModel(model="default", sampling_params={"top_k": 1}, base_url=server.url + "/v1",
+                      api_key=server.api_key)
     with guidance_pkg.user():
         glm += "What is the capital of France? One word."
     with guidance_pkg.assistant():

@@ -28,10 +28,11 @@ _ROLES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("sglang
 
 
 class _PromptState:
-    """What our DSL backends read from a program state: the prompt text so far."""
+    """What our DSL backends read from a program state: the prompt text so far (and its images: none here)."""
 
     def __init__(self, text: str):
         self.text_ = text
+        self.images_: list = []
 
 
 # Program pieces ----------------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ Modules (design notes live in their docstrings):
 * ``json_schema``    JSON schema / pydantic model -> regex
 * ``grammar``        ``GrammarCache`` / ``CompiledGrammar`` / ``GrammarMatcher`` for the scheduler, and
                      jump-forward re-tokenization (App. B.2)
+* ``llguidance_backend``  context-free ``ebnf`` grammars (GBNF / Lark) on llguidance, same matcher interface
+                     (optional dependency; imported on first ebnf request)
 """
 
 from .compressed_fsm import CompressedFSM
