@@ -18,6 +18,7 @@ anything else touches the running batch (prefill, retraction, grammar or tensor-
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -27,17 +28,21 @@ from ..layers.sampler import SamplingBatchInfo
 from ..model_executor.forward_batch import ForwardBatch, ForwardMode
 from .schedule_batch import Req
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class InflightDecode:
     reqs: list[Req]
     next_ids: torch.Tensor  # [bs] on the device: the next step's input
     host: torch.Tensor  # [2, bs] pinned: next ids and "logits were finite", copied without blocking
-    ready: torch.cuda.Event
+    ready: torch.cuda.Event | None  # None on the CPU (tests), where nothing runs ahead
 
 
 def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     """Host -> GPU copy that does not wait for the work already queued on the stream (pinned source)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
@@ -50,6 +55,7 @@ class OverlapDecoder:
 
     @staticmethod
     def supported(server_args, device) -> bool:
+        """On by default on CUDA. (It also runs on the CPU, where it gains nothing: tests switch it on there.)"""
         return (str(device).startswith("cuda") and not server_args.disable_overlap_schedule
                 and server_args.page_size == 1 and getattr(server_args, "tp_size", 1) == 1)
 
@@ -80,7 +86,13 @@ class OverlapDecoder:
                 continue  # its token in flight ends it by length: nothing to compute after it
             launch.append(r)
             src.append(i)
-        self.inflight = self._launch(launch, src, prev) if launch else None
+        try:
+            self.inflight = self._launch(launch, src, prev) if launch else None
+        except Exception:  # noqa: BLE001 - the synchronous path contains the fault to the failing request
+            logger.exception("overlapped decode launch failed; running this step synchronously")
+            self.inflight = None
+            out = self._finish(prev) if prev is not None else []
+            return out + (self.sched._run_decode() if self.sched.running else [])
         out = self._finish(prev) if prev is not None else []
         if self.inflight is not None and all(r.finished() for r in self.inflight.reqs):
             self.inflight = None  # every row of it is dropped anyway
@@ -116,7 +128,11 @@ class OverlapDecoder:
         fb = ForwardBatch(ForwardMode.DECODE, input_ids, d_positions, d_locs, d_rows, d_seq_lens, seq_lens.tolist(),
                           logits_indices=d_rows_idx)
         t0 = time.perf_counter()
-        logits = s.model_runner.forward(fb)
+        try:
+            logits = s.model_runner.forward(fb)
+        except Exception:
+            s.allocator.free(locs)  # nothing of this step happened
+            raise
         s.stats.forward_seconds += time.perf_counter() - t0
         s.stats.num_forward_tokens += len(reqs)
         for r in reqs:
@@ -124,8 +140,11 @@ class OverlapDecoder:
         s.stats.num_decode_batches += 1
         s.decay_new_token_ratio()
         next_ids = self._sample(reqs, logits)
+        result = torch.stack([next_ids, torch.isfinite(logits).all(dim=-1).to(torch.int64)])
+        if torch.device(dev).type != "cuda":  # CPU (tests): nothing runs ahead, the copy is the result
+            return InflightDecode(reqs, next_ids, result, None)
         host = torch.empty((2, len(reqs)), dtype=torch.int64, pin_memory=True)
-        host.copy_(torch.stack([next_ids, torch.isfinite(logits).all(dim=-1).to(torch.int64)]), non_blocking=True)
+        host.copy_(result, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return InflightDecode(reqs, next_ids, host, ready)
@@ -144,7 +163,8 @@ class OverlapDecoder:
 
     def _finish(self, step: InflightDecode) -> list[Req]:
         s = self.sched
-        step.ready.synchronize()
+        if step.ready is not None:
+            step.ready.synchronize()
         ids, finite = step.host.tolist()
         now = time.monotonic()
         out = []
