@@ -31,13 +31,13 @@ from .data import TextGen
 from .harness import BASELINES, Baseline, run
 
 PRESETS = {
-    "smoke": dict(ablation_workloads=["shared_prefix", "json_decode"], latency_instances=2,
+    "smoke": dict(ablation_workloads=["shared_prefix", "json_decode"], latency_instances=2, interleave=False,
                   extra=["no_tree", "fcfs", "random", "no_frontend_parallel", "no_hints", "no_jump_forward",
                          "hf_sequential", "hf_batched"]),
-    "cpu": dict(ablation_workloads=["mmlu", "tree_of_thought", "json_decode"], latency_instances=2,
+    "cpu": dict(ablation_workloads=["mmlu", "tree_of_thought", "json_decode"], latency_instances=2, interleave=True,
                 extra=["no_tree", "fcfs", "random", "no_frontend_parallel", "no_hints", "no_jump_forward",
                        "hf_sequential", "hf_batched"]),
-    "gpu": dict(ablation_workloads=["mmlu", "json_decode"], latency_instances=2, modes="throughput",
+    "gpu": dict(ablation_workloads=["mmlu", "json_decode"], latency_instances=2, modes="throughput", interleave=False,
                 extra=["no_tree", "no_frontend_parallel", "no_hints", "no_jump_forward"]),
 }
 MAIN_BASELINES = ["full", "no_cache"]
@@ -67,8 +67,10 @@ def engine_setup(preset: str, model_path: str | None) -> tuple[str | None, dict]
 
 
 def plan(names: list[str], baselines: list[str] | None, ablation_workloads: list[str], extra: list[str],
-         modes: list[str]) -> list[tuple[str, str, str]]:
-    """(baseline, workload, mode) triples, grouped by baseline so each engine starts once."""
+         modes: list[str], interleave: bool = False) -> list[tuple[str, str, str]]:
+    """(baseline, workload, mode) triples, grouped by baseline so each engine starts once; ``interleave``:
+    grouped by workload instead, so the baselines of one workload run close in time (on a shared machine
+    whose load changes, comparisons between runs minutes apart are noise)."""
     triples = []
     wanted = baselines or MAIN_BASELINES + extra
     # The main comparison first (a --time-budget cuts the tail), then the ablations; baselines on the same
@@ -89,6 +91,10 @@ def plan(names: list[str], baselines: list[str] | None, ablation_workloads: list
                 if mode == "latency" and b not in MAIN_BASELINES:
                     continue
                 triples.append((b, name, mode))
+    if interleave:
+        order = ["full", *frontend, "no_cache"]
+        rank = lambda t: (names.index(t[1]), order.index(t[0]) if t[0] in order else len(order))  # noqa: E731
+        triples.sort(key=rank)  # stable: the remaining baselines keep their order
     return triples
 
 
@@ -111,7 +117,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.epilog = ("workloads:\n" + wl_registry.describe() + "\n\nbaselines:\n" +
                      "\n".join(f"  {b.name:<22} {b.description}" for b in BASELINES.values()))
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("workloads", nargs="+", help="workload names (see below) or 'all'")
+    parser.add_argument("workloads", nargs="*", help="workload names (see below) or 'all'")
     parser.add_argument("--smoke", action="store_true", help="tiny dummy model, CI sizes (= --preset smoke)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="sizes and model (default: cpu)")
     parser.add_argument("--model-path", default=None, help="model dir / hub id / .gguf (default: by preset)")
@@ -132,6 +138,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="start no new run after this many seconds (the rest is listed in meta.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--dry-run", action="store_true", help="build the instances, print the plan, run nothing")
+    parser.add_argument("--replot", metavar="DIR", default=None,
+                        help="only rewrite summary.md and the figures from DIR/results.jsonl (e.g. a GPU run's)")
     return parser
 
 
@@ -181,7 +189,12 @@ def warm_up(engine, backend) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
+    if not args.workloads:
+        parser.error("name at least one workload, or 'all'")
     preset = "smoke" if args.smoke else args.preset
     cfg = PRESETS[preset]
     names = list(wl_registry.NAMES) if "all" in args.workloads else args.workloads
@@ -218,7 +231,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         instances[name] = mod.instances(tg, **size)
     names = [n for n in names if n in instances]
 
-    triples = plan(names, args.baseline, ablation_workloads, cfg["extra"], modes)
+    triples = plan(names, args.baseline, ablation_workloads, cfg["extra"], modes, interleave=cfg["interleave"])
     meta = {"preset": preset, "model_path": model_path or "embedded SmolLM2-135M-Instruct",
             "engine_kwargs": engine_kwargs, "sizes": {n: {**wl_registry.load(n).SIZES[preset],
                                                           **{k: v for k, v in sizes.items()
@@ -272,6 +285,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"[bench] time budget reached: skipped {len(budget_skipped)} runs: {budget_skipped}", file=sys.stderr)
     with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2, default=str)
+    report(rows, out_dir, skipped, f"{preset}, {os.path.basename(str(meta['model_path']))}")
+    return rows
+
+
+def report(rows: list[dict], out_dir: str, skipped: dict, title: str) -> None:
+    """summary.md (printed too) and the PNG figures."""
     summary = summarize(rows, skipped)
     with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
         f.write(summary)
@@ -279,10 +298,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         from .plots import make_plots
 
-        for p in make_plots(rows, out_dir, f"{preset}, {os.path.basename(str(meta['model_path']))}"):
+        for p in make_plots(rows, out_dir, title):
             print(f"[bench] wrote {p}", file=sys.stderr)
     except ImportError as e:
         print(f"[bench] no plots ({e}); install the 'bench' extra: pip install -e .[bench]", file=sys.stderr)
+
+
+def replot(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "results.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    meta_path = os.path.join(out_dir, "meta.json")
+    meta = json.load(open(meta_path, encoding="utf-8")) if os.path.exists(meta_path) else {}
+    title = f"{meta.get('preset', '?')}, {os.path.basename(str(meta.get('model_path', '?')))}"
+    report(rows, out_dir, meta.get("skipped", {}), title)
     return rows
 
 

@@ -8,7 +8,7 @@ REUSE = True
 HF = True
 SIZES = {
     "smoke": dict(n=6, shot_tokens=(8, 12), context_tokens=(10, 16), ending_tokens=(4, 8)),
-    "cpu": dict(n=12, shot_tokens=(15, 25), context_tokens=(20, 30), ending_tokens=(6, 12)),
+    "cpu": dict(n=8, shot_tokens=(10, 16), context_tokens=(16, 24), ending_tokens=(6, 12)),
     "gpu": dict(n=96, shot_tokens=(30, 50), context_tokens=(30, 60), ending_tokens=(10, 25)),
 }
 
