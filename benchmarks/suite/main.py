@@ -37,7 +37,7 @@ PRESETS = {
     "cpu": dict(ablation_workloads=["mmlu", "tree_of_thought", "json_decode"], latency_instances=2, interleave=True,
                 extra=["no_tree", "fcfs", "random", "no_frontend_parallel", "no_hints", "no_jump_forward",
                        "hf_sequential", "hf_batched"]),
-    "gpu": dict(ablation_workloads=["mmlu", "json_decode"], latency_instances=2, modes="throughput", interleave=False,
+    "gpu": dict(ablation_workloads=["mmlu", "json_decode"], latency_instances=2, modes="throughput", interleave=False, isolate=True,
                 extra=["no_tree", "no_frontend_parallel", "no_hints", "no_jump_forward"]),
 }
 MAIN_BASELINES = ["full", "no_cache"]
@@ -138,6 +138,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="start no new run after this many seconds (the rest is listed in meta.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--dry-run", action="store_true", help="build the instances, print the plan, run nothing")
+    parser.add_argument("--isolate", dest="isolate", action="store_true", default=None,
+                        help="one child process per engine configuration (default for the gpu preset: frees GPU memory)")
+    parser.add_argument("--no-isolate", dest="isolate", action="store_false")
     parser.add_argument("--replot", metavar="DIR", default=None,
                         help="only rewrite summary.md and the figures from DIR/results.jsonl (e.g. a GPU run's)")
     return parser
@@ -161,6 +164,59 @@ def _make_backend(baseline: Baseline, model_path, engine_kwargs, tokenizer, pres
                                dummy=engine_kwargs.get("load_format") == "dummy")
     engine = Engine(model_path=model_path, log_level="warning", **{**engine_kwargs, **baseline.engine})
     return engine, EngineBackend(engine, fork_hints=baseline.fork_hints)
+
+
+def run_isolated(args, argv, triples, out_dir: str) -> tuple[list[dict], list[str]]:
+    """One child process per engine configuration (consecutive triples on the same engine): a GPU engine's
+    memory is only surely back when its process exits. Rows are merged into out_dir/results.jsonl."""
+    import subprocess
+
+    groups: list[list[tuple]] = []
+    for t in triples:
+        b = BASELINES[t[0]]
+        key = (b.hf_batch, tuple(sorted(b.engine.items())))
+        if groups and groups[-1][0] == key:
+            groups[-1][1].append(t)
+        else:
+            groups.append((key, [t]))
+    passthrough = []
+    if args.model_path:
+        passthrough += ["--model-path", args.model_path]
+    if args.latency_instances:
+        passthrough += ["--latency-instances", str(args.latency_instances)]
+    for item in args.size:
+        passthrough += ["--size", item]
+    for item in args.engine_arg:
+        passthrough += ["--engine-arg", item]
+    rows, skipped, t_start = [], [], time.perf_counter()
+    for i, (_, group) in enumerate(groups):
+        left = None if args.time_budget is None else args.time_budget - (time.perf_counter() - t_start)
+        if left is not None and left <= 0:
+            skipped += [f"{n}/{b}/{m}" for b, n, m in group]
+            continue
+        part = os.path.join(out_dir, f"part{i}")
+        baselines = list(dict.fromkeys(b for b, _, _ in group))
+        workloads = list(dict.fromkeys(n for _, n, _ in group))
+        modes = ",".join(dict.fromkeys(m for _, _, m in group))
+        cmd = [sys.executable, "-m", "benchmarks.suite.main", *workloads, "--preset", "smoke" if args.smoke else
+               args.preset, "--output", part, "--modes", modes, "--seed", str(args.seed), "--no-isolate",
+               *[x for b in baselines for x in ("--baseline", b)], *passthrough]
+        if left is not None:
+            cmd += ["--time-budget", str(left)]
+        if args.no_progress:
+            cmd.append("--no-progress")
+        print(f"[bench] child process for {baselines}: {' '.join(cmd[3:])}", file=sys.stderr)
+        subprocess.run(cmd, check=False, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        path = os.path.join(part, "results.jsonl")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+        meta_path = os.path.join(part, "meta.json")
+        if os.path.exists(meta_path):
+            skipped += json.load(open(meta_path, encoding="utf-8")).get("skipped_for_time_budget", [])
+    with open(os.path.join(out_dir, "results.jsonl"), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows, skipped
 
 
 def release(backend, names: list[str]) -> None:
@@ -244,6 +300,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for t in triples:
             print(" ".join(t))
         return []
+    if args.isolate if args.isolate is not None else cfg.get("isolate", False):
+        rows, budget_skipped = run_isolated(args, argv, triples, out_dir)
+        meta["skipped_for_time_budget"] = budget_skipped
+        with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, default=str)
+        report(rows, out_dir, skipped, f"{preset}, {os.path.basename(str(meta['model_path']))}")
+        return rows
     rows: list[dict] = []
     budget_skipped: list[str] = []
     results_path = os.path.join(out_dir, "results.jsonl")
