@@ -15,14 +15,14 @@ returns its slots so prefill only has to compute the rest.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterator
 
 import torch
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
+from .base_cache import _EMPTY, CachedKVPool
+
 
 
 def _as_list(token_ids) -> list[int]:
@@ -69,49 +69,16 @@ class MatchResult:
     last_node: TreeNode  # node whose path ends exactly at the matched length (root if nothing matched)
 
 
-class RadixCache:
-    disable = False
-
+class RadixCache(CachedKVPool):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int = 1):
         if token_to_kv_pool_allocator is not None:
             assert token_to_kv_pool_allocator.page_size == page_size, "tree and allocator disagree on page_size"
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
-        self.page_size = page_size
-        self.num_evicted_tokens = 0  # cumulative over the cache's life, flushes included
-        self.root_node: TreeNode | None = None
-        self.reset()
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
 
     # ------------------------------------------------------------------ basics
 
-    def reset(self) -> None:
-        if self.root_node is not None:
-            assert self._protected == 0, "reset() while requests still lock cached prefixes"
-            self._free([node.value for node in self._iter_nodes()])
-        self.root_node = TreeNode()
-        self._evictable = 0
-        self._protected = 0
-        self._clock = 0
-
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    def protected_size(self) -> int:
-        return self._protected
-
-    def total_size(self) -> int:
-        return self._evictable + self._protected
-
-    def _tick(self) -> int:
-        # A counter, not wall time: strictly ordered and deterministic in tests.
-        self._clock += 1
-        return self._clock
-
-    def _free(self, slots) -> None:
-        if isinstance(slots, list):
-            slots = torch.cat(slots) if slots else _EMPTY
-        if len(slots) and self.token_to_kv_pool_allocator is not None:
-            self.token_to_kv_pool_allocator.free(slots)
+    def _new_root(self) -> TreeNode:
+        return TreeNode()
 
     def _aligned(self, n: int) -> int:
         return n - n % self.page_size
@@ -192,45 +159,10 @@ class RadixCache:
             node = child
         return pos
 
-    # ------------------------------------------------------------------ eviction and locking
+    # ------------------------------------------------------------------ eviction (LRU leaves, in the base class)
 
-    def evict(self, num_tokens: int) -> int:
-        if num_tokens <= 0:
-            return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed, slots = 0, []
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            del parent.children[self._child_key(parent, node.key, 0, node.extra_key)]
-            node.parent = None
-            slots.append(node.value)
-            freed += len(node.key)
-            self._evictable -= len(node.key)
-            # Leaves first: a shared ancestor goes only once nothing below it is left.
-            if parent is not self.root_node and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
-        self._free(slots)
-        self.num_evicted_tokens += freed
-        return freed
-
-    def inc_lock_ref(self, node: TreeNode | None) -> None:
-        while node is not None and node is not self.root_node:
-            if node.lock_ref == 0:
-                self._evictable -= len(node.key)
-                self._protected += len(node.key)
-            node.lock_ref += 1
-            node = node.parent
-
-    def dec_lock_ref(self, node: TreeNode | None) -> None:
-        while node is not None and node is not self.root_node:
-            assert node.lock_ref > 0, f"unlocking an unlocked node {node}"
-            if node.lock_ref == 1:
-                self._protected -= len(node.key)
-                self._evictable += len(node.key)
-            node.lock_ref -= 1
-            node = node.parent
+    def _detach(self, node: TreeNode) -> None:
+        del node.parent.children[self._child_key(node.parent, node.key, 0, node.extra_key)]
 
     # ------------------------------------------------------------------ request hooks
 

@@ -13,15 +13,13 @@ The interface is RadixCache's, so the scheduler and the schedule policies use it
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from typing import Hashable, Iterator
 
 import torch
 
+from .base_cache import _EMPTY, CachedKVPool
 from .radix_cache import MatchResult, _as_list
-
-_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TableEntry:
@@ -49,46 +47,14 @@ class TableEntry:
         return not self.children
 
 
-class TableCache:
-    disable = False
-
+class TableCache(CachedKVPool):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int = 1):
         if page_size != 1:
             raise ValueError("the table cache supports page_size 1 only")
-        self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
-        self.page_size = 1
-        self.num_evicted_tokens = 0
-        self.root_node: TableEntry | None = None
-        self.reset()
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, 1)
 
-    def reset(self) -> None:
-        if self.root_node is not None:
-            assert self._protected == 0, "reset() while requests still lock cached entries"
-            self._free([e.value for e in self._iter_nodes()])
-        self.root_node = TableEntry([], _EMPTY, None, None, 0)
-        self._evictable = 0
-        self._protected = 0
-        self._clock = 0
-
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    def protected_size(self) -> int:
-        return self._protected
-
-    def total_size(self) -> int:
-        return self._evictable + self._protected
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    def _free(self, slots) -> None:
-        if isinstance(slots, list):
-            slots = torch.cat(slots) if slots else _EMPTY
-        if len(slots) and self.token_to_kv_pool_allocator is not None:
-            self.token_to_kv_pool_allocator.free(slots)
+    def _new_root(self) -> TableEntry:
+        return TableEntry([], _EMPTY, None, None, 0)
 
     # ------------------------------------------------------------------ lookup
 
@@ -150,47 +116,14 @@ class TableCache:
         self._evictable += len(value)
         return entry, start
 
-    # ------------------------------------------------------------------ eviction and locking
+    # ------------------------------------------------------------------ eviction (LRU leaves, in the base class)
 
-    def evict(self, num_tokens: int) -> int:
-        if num_tokens <= 0:
-            return 0
-        heap = [(e.last_access_time, e.id, e) for e in self._iter_nodes() if e.is_leaf and e.lock_ref == 0]
-        heapq.heapify(heap)
-        freed, slots = 0, []
-        while freed < num_tokens and heap:
-            _, _, entry = heapq.heappop(heap)
-            parent = entry.parent
-            siblings = parent.children[entry.full_key[len(parent.full_key)]]
-            siblings.remove(entry)
-            if not siblings:
-                del parent.children[entry.full_key[len(parent.full_key)]]
-            entry.parent = None
-            slots.append(entry.value)
-            freed += len(entry.value)
-            self._evictable -= len(entry.value)
-            if parent is not self.root_node and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
-        self._free(slots)
-        self.num_evicted_tokens += freed
-        return freed
-
-    def inc_lock_ref(self, node: TableEntry | None) -> None:
-        while node is not None and node is not self.root_node:
-            if node.lock_ref == 0:
-                self._evictable -= len(node.value)
-                self._protected += len(node.value)
-            node.lock_ref += 1
-            node = node.parent
-
-    def dec_lock_ref(self, node: TableEntry | None) -> None:
-        while node is not None and node is not self.root_node:
-            assert node.lock_ref > 0, "unlocking an unlocked entry"
-            if node.lock_ref == 1:
-                self._protected -= len(node.value)
-                self._evictable += len(node.value)
-            node.lock_ref -= 1
-            node = node.parent
+    def _detach(self, entry: TableEntry) -> None:
+        parent = entry.parent
+        siblings = parent.children[entry.full_key[len(parent.full_key)]]
+        siblings.remove(entry)
+        if not siblings:
+            del parent.children[entry.full_key[len(parent.full_key)]]
 
     # ------------------------------------------------------------------ request hooks
 
