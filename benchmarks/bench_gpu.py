@@ -23,7 +23,7 @@ Model: dummy (random) weights at Llama-2-7B shape in fp16 (``--model llama2-7b``
 Sections (``--only``, run in this order): ceilings, correctness (kernel errors vs float64 on fresh random
 inputs), attn_sweep (decode-attention launch configs; the fastest become the run's defaults), gemv_sweep
 (cuBLAS vs Triton GEMV at batch 1), hf, profile (per-kernel time of an eager decode step), runner,
-engine_decode, shared, offline, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
+engine_decode, shared, offline, no_overlap, no_pdl, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
 have since landed in the scheduler; its result is kept in results/gpu_llama2_7b_sched_patch.json.)
 
 Writes ``$OUT/gpu_<model>.json`` when $OUT is set, else ``benchmarks/results/gpu_<model>.json``.
@@ -294,19 +294,26 @@ def bench_runner(eng, mb: dict, name: str):
     mm_rate = ceil.get("matmul_flops", {}).get(MODELS[name]["dtype"])
     res = {}
     V = mr.vocab_size
-    for bs in (1, 1, 64):
-        ctx = 1024
-        gemv_state = None
-        if bs == 1 and mr.executor is not None:
-            # First pass with the Triton GEMV at batch 1, second with cuBLAS (graphs recaptured); keep the faster.
-            from sglang_backend.runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+    from sglang_backend.runtime.layers.attention.triton_ops import pdl
+    from sglang_backend.runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 
-            gemv_state = "decode_bs1_gemv" not in res
-            if mr.executor.use_gemv != gemv_state:
-                mr.executor.use_gemv = gemv_state
-                mr.graph_runner = None
-                gc.collect()
-                mr.graph_runner = CudaGraphRunner(mr)
+    def configure(gemv_mode, use_pdl):
+        """Batch-1 linears (cuBLAS / Triton GEMV / fused GEMV) and PDL; the graphs are recaptured."""
+        if mr.executor is not None:
+            mr.executor.gemv_mode = gemv_mode
+        pdl.set_enabled(use_pdl)
+        mr.graph_runner = None
+        gc.collect()
+        mr.graph_runner = CudaGraphRunner(mr)
+
+    # Each (batch, linears, PDL) variant; at batch 1 the fastest becomes "decode_bs1" and stays configured.
+    fused_ok = mr.executor is not None
+    variants = [(1, m, p) for m, p in (("fused", True), ("fused", False), ("on", True), ("off", True),
+                                       ("off", False)) if fused_ok or m == "off"]
+    variants += [(64, "off", False), (64, "off", True)]
+    for bs, gemv_mode, use_pdl in variants:
+        ctx = 1024
+        configure(gemv_mode, use_pdl)
         rows, slots, per = _alloc_requests(mr, [ctx] * bs)
         fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, V, (bs,), device="cuda"),
                           torch.full((bs,), ctx - 1, device="cuda"), torch.stack([p[-1] for p in per]),
@@ -327,33 +334,29 @@ def bench_runner(eng, mb: dict, name: str):
         floor_bytes = mb["weight_bytes"] + bs * ctx * mb["kv_bytes_per_token"]
         floor = floor_bytes / bw if bw else None
         step = statistics.median(pipelined)
-        key = f"decode_bs{bs}"
-        if gemv_state is not None:
-            key = "decode_bs1_gemv" if gemv_state else "decode_bs1_cublas"
-        res[key] = {"use_gemv": gemv_state,"ctx": ctx, "step_s": step, "step_synced_s": statistics.median(t_sync),
-                                 "floor_bytes": floor_bytes, "floor_s": floor,
-                                 "ratio_to_floor": step / floor if floor else None,
-                                 "achieved_Bps": floor_bytes / step}
+        key = f"decode_bs{bs}_{gemv_mode}_{'pdl' if use_pdl else 'nopdl'}"
+        res[key] = {"gemv_mode": gemv_mode, "pdl": use_pdl, "ctx": ctx, "step_s": step,
+                    "step_synced_s": statistics.median(t_sync), "floor_bytes": floor_bytes, "floor_s": floor,
+                    "ratio_to_floor": step / floor if floor else None, "achieved_Bps": floor_bytes / step}
         log(f"decode bs={bs} ctx={ctx} [{key}]: {step * 1e3:.3f} ms (synced {statistics.median(t_sync) * 1e3:.3f} ms); "
             f"floor {floor * 1e3 if floor else float('nan'):.3f} ms; ratio {step / floor if floor else float('nan'):.3f}")
-        # Same step without CUDA graphs (eager launches), for the record.
-        gr = mr.graph_runner
-        mr.graph_runner = None
-        try:
-            res[key]["step_eager_s"] = statistics.median(cuda_time(lambda: mr.forward(fb), 10, 2))
-        finally:
-            mr.graph_runner = gr
-        log(f"   eager (no graph): {res[key]['step_eager_s'] * 1e3:.3f} ms")
+        if gemv_mode == "fused" and use_pdl or bs == 64 and use_pdl:  # without graphs too, for the record
+            gr = mr.graph_runner
+            mr.graph_runner = None
+            try:
+                res[key]["step_eager_s"] = statistics.median(cuda_time(lambda: mr.forward(fb), 10, 2))
+            finally:
+                mr.graph_runner = gr
+            log(f"   eager (no graph): {res[key]['step_eager_s'] * 1e3:.3f} ms")
         _free_requests(mr, rows, slots)
-        if gemv_state is False:  # both measured: keep the faster for everything that follows
-            use = res["decode_bs1_gemv"]["step_s"] < res["decode_bs1_cublas"]["step_s"]
-            res["decode_bs1"] = dict(res["decode_bs1_gemv" if use else "decode_bs1_cublas"])
-            if mr.executor.use_gemv != use:
-                mr.executor.use_gemv = use
-                mr.graph_runner = None
-                gc.collect()
-                mr.graph_runner = CudaGraphRunner(mr)
-            log(f"batch-1 linears: {'Triton GEMV' if use else 'cuBLAS'}")
+    for bs in (1, 64):
+        best = min((k for k in res if k.startswith(f"decode_bs{bs}_")), key=lambda k: res[k]["step_s"])
+        res[f"decode_bs{bs}"] = dict(res[best], variant=best)
+        log(f"decode bs={bs}: fastest {best}")
+    b1, b64 = res["decode_bs1"], res["decode_bs64"]
+    pdl_default = b64["pdl"]  # the rest of the run (engine sections) uses the large-batch winner's PDL setting
+    configure(b1["gemv_mode"], pdl_default)
+    log(f"configured for the following sections: batch-1 linears {b1['gemv_mode']}, PDL {pdl_default}")
 
     # Prefill 8 x 1024.
     n_req, n = 8, 1024
@@ -799,11 +802,21 @@ def table(name: str) -> str:
                      f"floor shared {ms(rs.get('floor_shared_s'))}, private {ms(rs.get('floor_private_s'))}"])
     for key, label in (("offline_1k_1k", "offline 1k in / 1k out"),
                        ("offline_1k_1k_no_overlap", "1k/1k, overlap off"),
+                       ("offline_1k_1k_no_pdl", "1k/1k, PDL off"),
                        ("offline_1k_1k_patched", "1k/1k + sched patch")):
         f = o.get(key)
         if f:
             rows.append([label, f"{f['output_tok_per_s']:.0f} tok/s", f"{f['num_requests']} requests",
                          f"{f['time_s']:.1f} s", f"retractions {f['retractions']}"])
+    for key in sorted(k for k in o if k.startswith("decode_bs") and k.count("_") >= 2):
+        d = o[key]
+        rows.append([f"  variant {key[len('decode_'):]}", ms(d["step_s"]), f"floor {ms(d['floor_s'])}",
+                     f"{d['ratio_to_floor']:.3f}x floor", f"synced {ms(d['step_synced_s'])}"])
+    for bs in (1, 64):
+        e = o.get(f"engine_decode_step_bs{bs}_s_no_pdl")
+        if e:
+            rows.append([f"engine decode bs={bs}, PDL off", ms(e), f"PDL default {ms(o.get(f'engine_decode_step_bs{bs}_s'))}",
+                         "-", "whole engine loop per step"])
     for bs in (1, 64):
         e = o.get(f"engine_decode_step_bs{bs}_s_no_overlap")
         if e:
@@ -891,6 +904,18 @@ def main(argv=None):
         bench_engine_decode(eng, vocab, "_no_overlap")
         bench_offline(eng, vocab, args.offline_max_requests, "offline_1k_1k_no_overlap")
         close_engine(eng)
+        eng = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "no_pdl" in only:  # ablation: kernels launched without programmatic dependent launch
+        from sglang_backend.runtime.layers.attention.triton_ops import pdl
+
+        pdl.set_enabled(False)
+        eng = make_engine(model_dir, spec["dtype"], mem_fraction_static=args.mem_fraction_static)
+        bench_engine_decode(eng, vocab, "_no_pdl")
+        bench_offline(eng, vocab, args.offline_max_requests, "offline_1k_1k_no_pdl")
+        close_engine(eng)
+        pdl.set_enabled(None)
         eng = None
         gc.collect()
         torch.cuda.empty_cache()

@@ -213,6 +213,21 @@ def check_fused_ops(device, dtype, T=37, hidden=320, inter=448, num_heads=8, num
             ref = xv.double() @ w.double().T
             errs[f"gemv_{n}x{kdim}"] = rel_err(gemv(xv, w), ref)
             errs[f"gemv_bias_{n}x{kdim}"] = rel_err(gemv(xv, w, b), ref + b.double())
+        # Fused forms (decode at batch 1) vs the unfused kernels: RMSNorm prologue, SiLU-mul epilogue,
+        # residual-add epilogue.
+        res = torch.randn(1, hidden, generator=gen).to(device, dtype)
+        w_gu = (torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5).to(device, dtype)
+        b_gu = torch.randn(2 * inter, generator=gen).to(device, dtype)
+        w_dn = (torch.randn(hidden, inter, generator=gen) / inter**0.5).to(device, dtype)
+        normed = fused_ops.rmsnorm(res, norm.weight, 1e-5)
+        errs["gemv_norm"] = rel_err(gemv(res, w_gu, norm_weight=norm.weight, eps=1e-5), normed.double() @ w_gu.double().T)
+        h_ref = fused_ops.silu_and_mul(gemv(normed, w_gu, b_gu))
+        h = gemv(res, w_gu, b_gu, norm_weight=norm.weight, eps=1e-5, silu_mul=True)
+        errs["gemv_norm_silu"] = rel_err(h, h_ref)
+        r2 = res.clone()
+        out = gemv(h, w_dn, residual=r2)
+        errs["gemv_residual.same_tensor"] = 0.0 if out.data_ptr() == r2.data_ptr() else float("inf")
+        errs["gemv_residual"] = rel_err(r2, res.double() + h.double() @ w_dn.double().T)
     return errs
 
 

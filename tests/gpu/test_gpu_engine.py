@@ -96,6 +96,26 @@ def test_triton_matches_torch_native(peaked_model_dir, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_batch1_gemv_modes_and_pdl_match_torch_native(peaked_model_dir, dtype, monkeypatch):
+    """Decode at batch 1 (one request at a time) through cuBLAS, the Triton GEMV and the fused GEMV (norm
+    prologue, SiLU-mul / residual epilogues), each with and without programmatic dependent launch."""
+    from sglang_backend.runtime.layers.attention.triton_ops import pdl
+
+    prompts = _prompts()[:1] + _prompts()[4:5]
+    ref = [_run(peaked_model_dir, dtype, [p], attention_backend="torch_native")[0][0] for p in prompts]
+    ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
+    try:
+        for mode in ("off", "on", "fused"):
+            for use_pdl in (True, False):
+                monkeypatch.setenv("SGLANG_BACKEND_GEMV", mode)
+                pdl.set_enabled(use_pdl)
+                out = [_run(peaked_model_dir, dtype, [p], attention_backend="triton")[0][0][0] for p in prompts]
+                _same_greedy(ref_ids, ref_top, out, dtype, f"batch 1, gemv {mode}, pdl {use_pdl}")
+    finally:
+        pdl.set_enabled(None)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_cascade_decode_matches_torch_native(peaked_model_dir, dtype):
     prompts = _shared_prompts()
     ref, ref2, _ = _run(peaked_model_dir, dtype, prompts, attention_backend="torch_native")

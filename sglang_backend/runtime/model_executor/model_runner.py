@@ -58,6 +58,8 @@ class ModelRunner:
         except BaseException:
             self.shutdown(wait_s=5)  # tensor parallelism: do not leave the other ranks waiting
             raise
+        if self.tp_followers is not None:
+            self.tp_followers.ready = True  # every rank is past its start-up collectives
 
     # Set-up ------------------------------------------------------------------------------------------------------
     def _init_tensor_parallel(self) -> None:
@@ -203,7 +205,7 @@ class ModelRunner:
             if FusedLlamaExecutor is not None and FusedLlamaExecutor.supports(lm):
                 self.executor = FusedLlamaExecutor(lm, self.req_to_token_pool.max_context_len, self.device)
                 if self.server_args.tp_size > 1:
-                    self.executor.use_gemv = False  # its GEMV calls the weights directly, skipping the TP collectives
+                    self.executor.gemv_mode = "off"  # its GEMV calls the weights directly, skipping the TP collectives
         if not self.server_args.disable_cuda_graph and getattr(self.attn_backend, "supports_fused_kv_store", False):
             from .cuda_graph_runner import CudaGraphRunner
 

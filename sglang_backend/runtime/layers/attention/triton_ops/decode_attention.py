@@ -23,6 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_begin
+
 LOG2E = 1.4426950408889634
 
 
@@ -33,8 +36,9 @@ def _decode_stage1_mha(
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     sm_scale_log2,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     if HEAD_FASTEST:  # programs launched together read neighbouring heads of the same tokens
         h = tl.program_id(0)
         b = tl.program_id(1)
@@ -91,8 +95,9 @@ def _decode_stage1_gqa(
     sm_scale_log2,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     if HEAD_FASTEST:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -160,11 +165,13 @@ def _decode_prefix_stage1(
     sm_scale_log2, num_rows,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_BASE: tl.constexpr, NUM_PREFIX_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Cascade decode: the first PrefixLen KV slots are the same for every request of the batch (a shared
     radix-cache prefix), so one program reads a tile of them once and attends it with the queries of every
     request (rows = requests x query heads of one KV head) through ``tl.dot``, instead of every request
     re-reading the prefix. Partials go to splits SPLIT_BASE.. of the scratch, merged by stage 2."""
+    pdl_begin(PDL)
     kvh = tl.program_id(0)
     s = tl.program_id(1)
     mb = tl.program_id(2)
@@ -224,7 +231,9 @@ def _decode_stage2(
     MidO, MidLse, O,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -287,6 +296,7 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
     common = (q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, prefix_len if has_prefix else seq_lens,
               mid_o, mid_lse) + strides
     size = "large" if bs >= LARGE_BATCH else "small"
+    launch = pdl.launch_args(q)
     if group == 1:
         block_n, warps, stages, head_fastest = config or MHA_CONFIG[size]
         if block_d > 128:
@@ -294,7 +304,7 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
         grid = (num_heads, bs, num_splits) if head_fastest else (bs, num_heads, num_splits)
         _decode_stage1_mha[grid](
             *common, KV_GROUP=1, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, num_warps=warps, num_stages=stages,
+            HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, num_warps=warps, num_stages=stages, **launch,
         )
     else:
         block_n, warps, stages, head_fastest = config or GQA_CONFIG[size]
@@ -305,6 +315,7 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
             *common, KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
             BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
             IEEE=ieee, HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, num_warps=warps, num_stages=stages,
+            **launch,
         )
     total_splits = num_splits
     if has_prefix:
@@ -313,13 +324,13 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
             q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_len, mid_o, mid_lse, *strides, bs * group,
             KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREFIX_BLOCK_M,
             BLOCK_N=PREFIX_BLOCK_N if block_d <= 128 else 32, SPLIT_BASE=num_splits,
-            NUM_PREFIX_SPLITS=prefix_splits, IEEE=ieee, num_warps=4, num_stages=2,
+            NUM_PREFIX_SPLITS=prefix_splits, IEEE=ieee, num_warps=4, num_stages=2, **launch,
         )
         total_splits += prefix_splits
     _decode_stage2[(bs, num_heads)](
         mid_o, mid_lse, o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=total_splits,
-        BLOCK_S=triton.next_power_of_2(total_splits), num_warps=4 if block_d >= 128 else 2,
+        BLOCK_S=triton.next_power_of_2(total_splits), num_warps=4 if block_d >= 128 else 2, **launch,
     )
 
 

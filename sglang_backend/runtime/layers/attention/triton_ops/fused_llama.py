@@ -6,16 +6,42 @@ Triton kernel each: residual-add + RMSNorm, rotary on q/k (+ the KV store when t
 SiLU-and-mul. Rotary reads a cos/sin table precomputed once from the model's own ``inv_freq`` (and rope
 scaling), so no per-step trigonometry runs either. The result is graph-capturable: no host syncs, shapes depend
 only on the number of tokens.
+
+One-token batches (decode at batch 1) can run their linears through the Triton GEMV (``gemv_mode``):
+
+* ``"off"``: cuBLAS, as every other batch;
+* ``"on"``: the GEMV in place of cuBLAS, norms and SiLU-mul as separate kernels;
+* ``"fused"``: the GEMV also does the RMSNorm (prologue), the SiLU-mul (epilogue of gate_up) and the residual
+  add (epilogue of o_proj and down_proj): 7 kernels per layer instead of 9, the same roundings.
+
+Chosen with SGLANG_BACKEND_GEMV (off/on/fused); the default is "fused" on Hopper and newer, where it measured
+fastest (benchmarks/bench_gpu.py ``runner`` times all three), else "off". Tensor parallelism forces "off"
+(the GEMV reads the weights directly and would skip the row-parallel all-reduce).
 """
 
 from __future__ import annotations
 
-import torch
-
 import os
+
+import torch
 
 from .fused_ops import fused_add_rmsnorm, rmsnorm, rope_and_store_kv, silu_and_mul
 from .gemv import gemv
+
+GEMV_MODES = ("off", "on", "fused")
+
+
+def default_gemv_mode(device) -> str:
+    mode = os.environ.get("SGLANG_BACKEND_GEMV")
+    if mode is not None:
+        mode = {"0": "off", "1": "on"}.get(mode, mode)
+        if mode not in GEMV_MODES:
+            raise ValueError(f"SGLANG_BACKEND_GEMV={mode!r}: expected one of {', '.join(GEMV_MODES)}")
+        return mode
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev.index or 0)[0] >= 9:
+        return "fused"
+    return "off"
 
 
 class FusedLlamaExecutor:
@@ -34,17 +60,15 @@ class FusedLlamaExecutor:
         scale = rot.attention_scaling
         self.cos_sin = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).contiguous()
         self.max_positions = max_positions
-        # Single-row linears through the Triton GEMV instead of cuBLAS (decode at batch 1). Off by default:
-        # cuBLAS measured faster on every Llama-2-7B shape on an H200 (bench_gpu.py --only gemv_sweep).
-        self.use_gemv = os.environ.get("SGLANG_BACKEND_GEMV", "0") == "1"
+        self.gemv_mode = default_gemv_mode(device)
 
     def linear(self, x: torch.Tensor, mod) -> torch.Tensor:
-        if self.use_gemv and x.shape[0] == 1:
+        if self.gemv_mode != "off" and x.shape[0] == 1:
             return gemv(x, mod.weight, mod.bias)
         return mod(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.use_gemv and hidden.shape[0] == 1:
+        if self.gemv_mode != "off" and hidden.shape[0] == 1:
             return gemv(hidden.contiguous(), self.model.lm_head_weight).float()
         return self.model.compute_logits(hidden)
 
@@ -67,6 +91,8 @@ class FusedLlamaExecutor:
 
         residual = inner.embed_tokens(input_ids)
         layers = inner.layers
+        if self.gemv_mode == "fused" and input_ids.shape[0] == 1:
+            return self._one_token(residual, positions, fb, fused_store)
         x = rmsnorm(residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         mlp_out = None
         for i, layer in enumerate(layers):
@@ -92,3 +118,32 @@ class FusedLlamaExecutor:
             mlp = layer.mlp
             mlp_out = self.linear(silu_and_mul(self.linear(x, mlp.gate_up_proj)), mlp.down_proj)
         return fused_add_rmsnorm(mlp_out, residual, inner.norm.weight, inner.norm.eps)
+
+    def _one_token(self, residual: torch.Tensor, positions: torch.Tensor, fb, fused_store: bool) -> torch.Tensor:
+        """The same layers for a single token, every linear a fused GEMV (see the module docstring)."""
+        inner = self.model.model
+        backend, pool = fb.attn_backend, fb.token_to_kv_pool
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = H * D, Hkv * D
+        residual = residual.contiguous()
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norm = layer.input_layernorm
+            qkv = gemv(residual, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps)
+            if fused_store:
+                lid = attn.attn.layer_id
+                rope_and_store_kv(qkv, positions, self.cos_sin, H, Hkv, D, fb.out_cache_loc,
+                                  pool.get_key_buffer(lid), pool.get_value_buffer(lid))
+            else:
+                rope_and_store_kv(qkv, positions, self.cos_sin, H, Hkv, D)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            if fused_store:
+                o = backend.forward(q, k, v, attn.attn, fb, save_kv=False)
+            else:
+                o = attn.attn(q, k, v, fb)
+            gemv(o.reshape(1, -1).contiguous(), attn.o_proj.weight, attn.o_proj.bias, residual=residual)
+            norm = layer.post_attention_layernorm
+            h = gemv(residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
+                     eps=norm.eps, silu_mul=True)
+            gemv(h, mlp.down_proj.weight, mlp.down_proj.bias, residual=residual)
+        return rmsnorm(residual, inner.norm.weight, inner.norm.eps)

@@ -17,11 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_begin
+
 
 # RMSNorm (+ residual) -------------------------------------------------------------------------------------------
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, N, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -51,7 +55,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return y
     block = triton.next_power_of_2(N)
     _rmsnorm_kernel[(T,)](x, x, weight, y, x.stride(0), x.stride(0), y.stride(0), N, eps,
-                          HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block))
+                          HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block), **pdl.launch_args(x))
     return y
 
 
@@ -64,13 +68,14 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
         return y
     block = triton.next_power_of_2(N)
     _rmsnorm_kernel[(T,)](x, residual, weight, y, x.stride(0), residual.stride(0), y.stride(0), N, eps,
-                          HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block))
+                          HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block), **pdl.launch_args(x))
     return y
 
 
 # SiLU and mul ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _silu_and_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -90,7 +95,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return y
     block = min(2048, triton.next_power_of_2(N))
     _silu_and_mul_kernel[(T, triton.cdiv(N, block))](x, y, x.stride(0), y.stride(0), N, BLOCK=block,
-                                                     num_warps=4)
+                                                     num_warps=4, **pdl.launch_args(x))
     return y
 
 
@@ -100,7 +105,8 @@ def _rope_store_kernel(QKV, Positions, CosSin, Loc, KBuf, VBuf,
                        stride_qkv, stride_cs, stride_kt, stride_kh, stride_vt, stride_vh,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       STORE: tl.constexpr):
+                       STORE: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + t).to(tl.int64)
     offs_f = tl.arange(0, BLOCK_HALF)
@@ -163,13 +169,15 @@ def rope_and_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch
         v_buf.stride(0), v_buf.stride(1) if store else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), STORE=store, num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), STORE=store, num_warps=4, **pdl.launch_args(qkv),
     )
 
 
 # Plain KV store (k, v of the new tokens into their pool slots) ----------------------------------------------------
 @triton.jit
-def _store_kv_kernel(K, V, Loc, KBuf, VBuf, stride_k, stride_v, stride_kt, stride_vt, N, BLOCK: tl.constexpr):
+def _store_kv_kernel(K, V, Loc, KBuf, VBuf, stride_k, stride_v, stride_kt, stride_vt, N, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -190,4 +198,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.T
     assert k_buf.stride(1) == k_buf.shape[2] and k_buf.stride(2) == 1
     block = min(1024, triton.next_power_of_2(N))
     _store_kv_kernel[(T, triton.cdiv(N, block))](k, v, loc, k_buf, v_buf, k.stride(0), v.stride(0),
-                                                k_buf.stride(0), v_buf.stride(0), N, BLOCK=block, num_warps=4)
+                                                k_buf.stride(0), v_buf.stride(0), N, BLOCK=block, num_warps=4,
+                                                **pdl.launch_args(k))

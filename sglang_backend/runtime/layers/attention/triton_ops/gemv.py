@@ -2,8 +2,17 @@
 
 At batch 1 a decode step is nothing but reading the weights once; this kernel streams W in [BLOCK_N, BLOCK_K]
 tiles (rows contiguous along K, so every load is coalesced), keeps per-lane fp32 partial sums and reduces once
-at the end. Used by the fused executor for single-row inputs when it beats cuBLAS on the device (see
-benchmarks/bench_gpu.py --only gemv_sweep).
+at the end. Used by the fused executor for single-row inputs (see benchmarks/bench_gpu.py, ``runner``).
+
+Optional fusions remove the small kernels around each linear of a Llama layer, with the same roundings as the
+unfused kernels in fused_ops.py:
+
+* ``norm_weight``: x is the residual stream and the GEMV multiplies RMSNorm(x) * norm_weight instead (every
+  program computes the fp32 sum of squares of the 1-row x itself: a few KB from L2);
+* ``silu_mul``: W holds [gate; up] (2N rows); y = silu(x @ gate^T) * (x @ up^T);
+* ``residual``: y is added into ``residual`` in place (each program owns its output columns) and returned.
+
+Under PDL the first weight tile is requested before waiting for the previous kernel: weights never depend on it.
 """
 
 from __future__ import annotations
@@ -12,24 +21,73 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_begin
+
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _load_x(X, NW, offs_k, mask_k, rstd, NORM: tl.constexpr):
+    x = tl.load(X + offs_k, mask=mask_k, other=0.0)
+    if NORM:  # as _rmsnorm_kernel: normalised in fp32, rounded, times the weight, rounded
+        y = (x.to(tl.float32) * rstd).to(X.dtype.element_ty)
+        w = tl.load(NW + offs_k, mask=mask_k, other=0.0)
+        x = (y.to(tl.float32) * w.to(tl.float32)).to(X.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, NW, N, K, stride_w, eps,
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, ADD_TO_Y: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(X + offs_k, mask=mask_k, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    u_rows = W + (offs_n + N).to(tl.int64)[:, None] * stride_w  # the "up" half when SILU_MUL
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    tile_mask = mask_n[:, None] & mask_k[None, :]
+    w0 = tl.load(w_rows + offs_k[None, :], mask=tile_mask, other=0.0)  # before the wait: weights are constant
+    if SILU_MUL:
+        u0 = tl.load(u_rows + offs_k[None, :], mask=tile_mask, other=0.0)
+    pdl_begin(PDL)
+
+    rstd = 1.0
+    if NORM:
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            r = tl.load(X + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+            sq += r * r
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+
+    x = _load_x(X, NW, offs_k, mask_k, rstd, NORM)
+    acc = w0.to(tl.float32) * x[None, :]
+    if SILU_MUL:
+        acc_u = u0.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        ks = k0 + offs_k
+        mk = ks < K
+        m = mask_n[:, None] & mk[None, :]
+        x = _load_x(X, NW, ks, mk, rstd, NORM)
+        w = tl.load(w_rows + ks[None, :], mask=m, other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        if SILU_MUL:
+            u = tl.load(u_rows + ks[None, :], mask=m, other=0.0)
+            acc_u += u.to(tl.float32) * x[None, :]
+
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if SILU_MUL:  # as _silu_and_mul_kernel on the rounded gate/up outputs
+        g = y.to(Y.dtype.element_ty).to(tl.float32)
+        up = tl.sum(acc_u, 1)
+        if HAS_BIAS:
+            up += tl.load(B + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        up = up.to(Y.dtype.element_ty).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32) * up
+    if ADD_TO_Y:  # residual add, rounded like ``hidden + out``
+        r = tl.load(Y + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        y = y.to(Y.dtype.element_ty).to(tl.float32) + r
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
@@ -38,14 +96,28 @@ GEMV_CONFIG = [16, 256, 4, 3]
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x: [1, K] (contiguous), weight: [N, K] (rows contiguous) -> [1, N] in x's dtype."""
+         config: tuple[int, int, int, int] | None = None, *, norm_weight: torch.Tensor | None = None,
+         eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [1, K] (contiguous), weight: [N, K] (rows contiguous) -> [1, N] in x's dtype ([1, N/2] with
+    ``silu_mul``; ``residual`` itself, updated in place, when given)."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
     N, K = weight.shape
+    assert x.shape[1] == K, f"gemv: x has {x.shape[1]} features, weight expects {K}"
+    if silu_mul:
+        assert N % 2 == 0
+        N //= 2
+    if norm_weight is not None:
+        assert norm_weight.shape == (K,) and norm_weight.stride(-1) == 1
+    if residual is not None:
+        assert residual.shape == (1, N) and residual.stride(-1) == 1 and residual.dtype == x.dtype
+        y = residual
+    else:
+        y = torch.empty((1, N), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or GEMV_CONFIG
-    y = torch.empty((1, N), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        x, weight, bias if bias is not None else weight, y, norm_weight if norm_weight is not None else x,
+        N, K, weight.stride(0), eps,
+        HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU_MUL=silu_mul, ADD_TO_Y=residual is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.launch_args(x),
     )
     return y
