@@ -72,6 +72,7 @@ def child(args) -> dict:
 
     dtype, graphs, timed = RUNS[args.run]
     gpu = args.device == "cuda"
+    timed = timed or not gpu  # on the CPU the fp32 run is the only one: time it
     t0 = time.perf_counter()
     eng = Engine(model_path=make_model_dir(args.model), load_format="dummy", dtype=dtype, device=args.device,
                  tp_size=args.tp, attention_backend="triton" if gpu else "torch_native", disable_cuda_graph=not graphs,
@@ -90,6 +91,7 @@ def child(args) -> dict:
         out["top2"] = [[[lp for lp, _, _ in step] for step in r["meta_info"]["output_top_logprobs"]] for r in res]
         if timed:
             out["decode_step_ms"] = {}
+            sends = _time_sends(eng)
             for bs in args.batch_sizes:
                 def run(n):
                     sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
@@ -104,10 +106,31 @@ def child(args) -> dict:
                 per_step = [(run(16 + args.steps) - run(16)) / args.steps for _ in range(3)]
                 out["decode_step_ms"][bs] = round(1000 * statistics.median(per_step), 3)
                 print(f"[tp={args.tp} {args.run}] bs={bs}: decode step {out['decode_step_ms'][bs]:.3f} ms", flush=True)
+            if sends[1]:
+                out["send_us_per_forward"] = round(1e6 * sends[0] / sends[1], 1)
+                print(f"[tp={args.tp} {args.run}] rank 0 host time sending a step: {out['send_us_per_forward']} us",
+                      flush=True)
         eng.check_pool_whole()
     finally:
         eng.shutdown()
     return out
+
+
+def _time_sends(eng) -> list:
+    """[seconds, calls] rank 0 spends handing steps to the other ranks (stays [0, 0] at TP=1)."""
+    acc = [0.0, 0]
+    followers = eng.scheduler.model_runner.tp_followers
+    if followers is not None:
+        send = followers.send_forward
+
+        def timed_send(*a):
+            t = time.perf_counter()
+            send(*a)
+            acc[0] += time.perf_counter() - t
+            acc[1] += 1
+
+        followers.send_forward = timed_send
+    return acc
 
 
 # Parent: children, comparison, table ---------------------------------------------------------------------------------

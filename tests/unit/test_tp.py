@@ -6,11 +6,24 @@ chunks a long prompt and asks for prompt logprobs, so the follower's KV table ha
 write rank 0 makes. Two models: GQA with KV heads split over the ranks and checkpoint weights loaded shard
 by shard; and tied embeddings with one KV head (replicated on both ranks), a vocabulary not divisible by 2
 (padded vocab shards) and dummy weights (drawn at full shape, then sharded).
+
+The step transport (header over the CPU group, one payload over the device group) round-trips every
+ForwardBatch field and every kind of table write; and an idle follower outlives the device group's timeout
+(it waits for headers on the CPU group, whose timeout is a year).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
+import torch
+
+from sglang_backend.runtime.distributed.tp_worker import (HEADER_INTS, INLINE_INTS, ReqToTokenWriteLog, decode_step,
+                                                          encode_step, replay_writes)
+from sglang_backend.runtime.mem_cache.memory_pool import ReqToTokenPool
+from sglang_backend.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 from sglang_backend.runtime.model_loader.loader import dummy_config, save_dummy_hf_model
 
@@ -74,3 +87,75 @@ def test_tp2_matches_tp1(request, model, load_format):
 def test_tp_bad_split_is_a_clear_error(tiny_gqa_dir):
     with pytest.raises(ValueError, match="num_attention_heads \\(4\\) is not divisible by tp_size"):
         make_engine(tiny_gqa_dir, tp_size=3)
+
+
+def _ints(*v):
+    return torch.tensor(v, dtype=torch.int64)
+
+
+def _batches() -> dict[str, tuple[ForwardBatch, list]]:
+    """ForwardBatches of each kind, with the table writes rank 0 makes before them (as (method, args))."""
+    extend = ForwardBatch(ForwardMode.EXTEND, _ints(5, 6, 7, 8, 9), _ints(3, 4, 0, 1, 2), _ints(11, 12, 20, 21, 22),
+                          _ints(2, 0), _ints(5, 3), [5, 3], extend_prefix_lens_cpu=[3, 0],
+                          extend_seq_lens_cpu=[2, 3], logits_indices=_ints(0, 1, 4))  # prompt logprobs + last
+    chunk = ForwardBatch(ForwardMode.EXTEND, _ints(1, 2), _ints(0, 1), _ints(30, 31), _ints(1), _ints(2), [2],
+                         extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[2], logits_indices=_ints())  # mid-prompt
+    decode = ForwardBatch(ForwardMode.DECODE, _ints(4, 7), _ints(5, 3), _ints(13, 23), _ints(2, 0), _ints(6, 4),
+                          [6, 4])  # logits_indices absent
+    decode_logits = dataclasses.replace(decode, logits_indices=_ints(0, 1))
+    mm = dataclasses.replace(extend, mm_inputs=[{"pixel_values": "placeholder"}, None])
+    prefix = torch.arange(100, 100 + INLINE_INTS + 50)  # a long cached prefix: the header cannot hold it
+    long_prefix = ForwardBatch(ForwardMode.EXTEND, _ints(1), _ints(len(prefix)), _ints(99), _ints(1),
+                               _ints(len(prefix) + 1), [len(prefix) + 1], extend_prefix_lens_cpu=[len(prefix)],
+                               extend_seq_lens_cpu=[1], logits_indices=_ints(0))
+    return {
+        "extend_with_prefix": (extend, [("write", 2, 0, _ints(7, 8, 9)), ("write", 2, 3, _ints(11, 12)),
+                                        ("write", 0, 0, _ints(20, 21, 22))]),
+        "extend_chunk_no_logits": (chunk, [("write", 1, 0, _ints(30, 31))]),
+        "decode": (decode, [("write_tokens", _ints(2, 0), _ints(5, 3), _ints(13, 23))]),
+        "decode_with_logits": (decode_logits, [("write_tokens", _ints(2, 0), _ints(5, 3), _ints(13, 23))]),
+        "multimodal": (mm, []),
+        "long_prefix_overflow": (long_prefix, [("write", 1, 0, prefix), ("write", 1, len(prefix), _ints(99))]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_batches()))
+def test_step_round_trip(case):
+    fb, writes = _batches()[case]
+    log = ReqToTokenWriteLog(ReqToTokenPool(4, 2048))
+    for method, *args in writes:
+        getattr(log, method)(*args)
+    header, overflow, payload = encode_step(fb, log.take())
+    assert header.shape == (HEADER_INTS,) and header.dtype == torch.int64  # fixed size, whatever the batch
+    assert (len(overflow) > 0) == (case == "long_prefix_overflow")  # only a long write list leaves the header
+    got, got_writes = decode_step(header, overflow, payload, fb.mm_inputs)
+    for f in dataclasses.fields(ForwardBatch):
+        a, b = getattr(fb, f.name), getattr(got, f.name)
+        if isinstance(a, torch.Tensor):
+            assert b.dtype == torch.int64 and torch.equal(a, b), f.name
+        else:
+            assert a == b, f.name
+    follower = ReqToTokenPool(4, 2048)
+    replay_writes(follower, got_writes)
+    assert torch.equal(follower.req_to_token, log.pool.req_to_token)  # the same KV slots on both ranks
+    assert len(log.take()) == 0
+
+
+def test_follower_survives_idle(tiny_gqa_dir, monkeypatch):
+    """Idle longer than the device group's timeout: the follower waits on the CPU group and serves again."""
+    monkeypatch.setenv("SGLANG_BACKEND_TP_TIMEOUT_S", "3")  # the follower inherits it
+    sp = {"max_new_tokens": 6, "temperature": 0}
+    eng = make_engine(tiny_gqa_dir, tp_size=2, max_total_tokens=1024)
+    procs = list(eng.scheduler.model_runner.tp_followers.procs)
+    try:
+        first = [r["output_ids"] for r in eng.generate(PROMPTS[:2], sp)]
+        eng.check_pool_whole()
+        time.sleep(4.5)
+        assert [p.poll() for p in procs] == [None]
+        again = [r["output_ids"] for r in eng.generate(PROMPTS[:2], sp)]  # radix hits this time
+        assert again == first
+        assert eng.get_stats()["num_cached_tokens"] > 0
+        eng.check_pool_whole()
+    finally:
+        eng.shutdown()
+    assert [p.wait(timeout=30) for p in procs] == [0]

@@ -3,13 +3,21 @@
 Before ``init_tp`` runs (and always at tp_size 1) the rank is 0 and the size 1, and every helper returns its
 input untouched without touching ``torch.distributed``: a single-GPU run does no extra work.
 
-Two groups when tp_size > 1: the *device group* (NCCL on GPUs, gloo on CPU) carries the activations
-(all-reduce after row-parallel layers, all-gather of vocab-parallel logits); the *CPU group* (gloo) carries
-the small pickled control messages rank 0 sends each step, so they never touch the GPU streams.
+Two groups when tp_size > 1:
+
+* the *device group* (NCCL on GPUs, gloo on CPU) carries the activations (all-reduce after row-parallel
+  layers, all-gather of vocab-parallel logits) and each step's index tensors (``broadcast_device``: on the
+  GPU an NCCL broadcast queued on the stream, so rank 0 never waits for it on the host);
+* the *CPU group* (gloo) carries the small fixed-size header rank 0 sends before each forward
+  (``broadcast_cpu``) and the rare pickled extras (``broadcast_object``). Its timeout is a year: an idle
+  follower waits there for the next header, however long the server idles. Device-group ops are only issued
+  once a header has arrived, so their timeout (``SGLANG_BACKEND_TP_TIMEOUT_S``, default 600 s) bounds how
+  long a rank waits for the others inside a forward, never an idle period.
 """
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -20,7 +28,12 @@ _SIZE = 1
 _DEVICE_GROUP = None
 _CPU_GROUP = None
 
-INIT_TIMEOUT = timedelta(minutes=10)
+INIT_TIMEOUT = timedelta(minutes=10)  # joining the group (the other ranks import torch and build the model)
+CPU_GROUP_TIMEOUT = timedelta(days=365)  # a follower waiting for the next step header must never time out
+
+
+def _device_group_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("SGLANG_BACKEND_TP_TIMEOUT_S", "600")))
 # torch 2.13 renamed all_gather_into_tensor (older releases, as on the GPU machines, have only the old name).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -39,11 +52,12 @@ def init_tp(rank: int, size: int, init_method: str, device: str) -> None:
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process; one tensor-parallel "
                            "engine per process")
+    # The default group only meets the ranks; the two groups below do the work, each with its own timeout.
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=INIT_TIMEOUT)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=INIT_TIMEOUT)
     _RANK, _SIZE = rank, size
-    _DEVICE_GROUP = dist.group.WORLD
-    _CPU_GROUP = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    _DEVICE_GROUP = dist.new_group(backend=backend, timeout=_device_group_timeout())
+    _CPU_GROUP = dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)
 
 
 def destroy_tp() -> None:
@@ -68,6 +82,18 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((_SIZE * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x, group=_DEVICE_GROUP)  # ranks stacked along dim 0
     return torch.cat(out.chunk(_SIZE, dim=0), dim=-1)
+
+
+def broadcast_cpu(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's host tensor ``t`` into every rank's ``t`` (same shape and dtype), over the gloo CPU group."""
+    dist.broadcast(t, src=0, group=_CPU_GROUP)
+    return t
+
+
+def broadcast_device(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``t`` into every rank's ``t`` over the device group (NCCL: queued on the current stream)."""
+    dist.broadcast(t, src=0, group=_DEVICE_GROUP)
+    return t
 
 
 def broadcast_object(obj=None):

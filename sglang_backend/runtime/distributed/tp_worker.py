@@ -2,21 +2,33 @@
 
 Rank 0 is the process that owns the scheduler (the Engine's process, or the server's scheduler process). It
 alone runs the scheduler, the radix tree and sampling, so every scheduling decision is made once. Before
-each forward it sends the other ranks ("followers") everything that forward needs: the batch's index
-tensors and every ``req_to_token`` write since the previous forward. A follower replays the writes into its
-own table, so it reads and writes exactly the same KV slots in its shard of the KV pool (its KV heads) as
-rank 0 does in its own, and then runs the same forward; the collectives inside the model pair up because
-all ranks run the same sequence of forwards. Only rank 0 uses the logits.
+each forward it sends the other ranks ("followers") everything that forward needs: the batch and every
+``req_to_token`` write since the previous forward. A follower replays the writes into its own table, so it
+reads and writes exactly the same KV slots in its shard of the KV pool (its KV heads) as rank 0 does in its
+own, and then runs the same forward (the same CUDA graph for a decode batch); the collectives inside the
+model pair up because all ranks run the same sequence of forwards. Only rank 0 uses the logits.
 
-The messages go down each follower's stdin pipe: a follower waits on it without any timeout while the
-server idles, and sees EOF (and exits) as soon as rank 0 is gone.
+One step is, without pickling and without any device-to-host copy on rank 0:
+
+* a fixed-size int64 *header* over the gloo CPU group: what the step is (a forward, or exit), the forward
+  mode, the token count, the batch size, which optional tensors are present, and the host-side integers
+  (``seq_lens_cpu``, ``extend_*_cpu`` and the table writes, whose values rank 0 has on the host). They ride
+  inside the header when they fit (every decode step up to a few hundred requests); otherwise a second
+  CPU broadcast of exactly their length follows;
+* the batch's device tensors (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens and
+  logits_indices) concatenated into one int64 buffer and broadcast over the device group: on GPUs an NCCL
+  broadcast queued on rank 0's stream (rank 0 does not wait for it); followers slice it back into fields;
+* multimodal inputs (rare, variable) alone go pickled (``broadcast_object``).
+
+An idle follower waits for the next header on the CPU group, whose timeout is a year, so an idle server
+never loses its followers; the stdin pipe carries only the start-up arguments. Shutdown is an "exit"
+header; a follower whose parent dies leaves on its own (``_exit_with_parent``).
 
 Run as ``python -m sglang_backend.runtime.distributed.tp_worker`` by rank 0 only.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
@@ -28,53 +40,134 @@ import time
 
 import torch
 
-from ..model_executor.forward_batch import ForwardBatch
-from .parallel_state import destroy_tp, init_tp
+from ..model_executor.forward_batch import ForwardBatch, ForwardMode
+from .parallel_state import broadcast_cpu, broadcast_device, broadcast_object, destroy_tp, init_tp
 
 logger = logging.getLogger(__name__)
 
-# ForwardBatch fields the model runner fills in itself (not sent).
-_LOCAL_FIELDS = {"req_to_token_pool", "token_to_kv_pool", "attn_backend"}
+# The step header: HEADER_INTS int64, the first _META of them these fields, then the host integers inline.
+HEADER_INTS = 1024
+(H_KIND, H_MODE, H_TOKENS, H_BS, H_LOGITS, H_MM, H_PREFIX_LENS, H_EXTEND_LENS, H_WRITES, H_CPU_INTS) = range(10)
+_META = 10
+INLINE_INTS = HEADER_INTS - _META
+EXIT, FORWARD = 0, 1
+_MODES = [ForwardMode.EXTEND, ForwardMode.DECODE]
+# Table writes, flattened: [ROW_WRITE, row, start, n, *locs] or [TOKEN_WRITES, n, *rows, *cols, *locs].
+ROW_WRITE, TOKEN_WRITES = 0, 1
+
+
+def _ints(values) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int64)
 
 
 class ReqToTokenWriteLog:
-    """Rank 0's req_to_token pool, recording each write for the followers; everything else is the pool's."""
+    """Rank 0's req_to_token pool, recording each write (flattened, on the host) for the followers; everything
+    else is the pool's. The slots come from the host-side allocator, so recording them copies no device data."""
 
     def __init__(self, pool):
         self.pool = pool
-        self.writes: list[tuple] = []
+        self.writes: list[torch.Tensor] = []
 
     def __getattr__(self, name):  # only reached for names the wrapper does not define
         return getattr(self.pool, name)
 
     def write(self, idx: int, start: int, locs: torch.Tensor) -> None:
         self.pool.write(idx, start, locs)
-        self.writes.append(("row", int(idx), int(start), locs.to("cpu", copy=True)))
+        self.writes += [_ints([ROW_WRITE, int(idx), int(start), len(locs)]), locs.to("cpu", torch.int64)]
 
     def write_tokens(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor) -> None:
         self.pool.write_tokens(rows, cols, locs)
-        self.writes.append(("tokens", rows.to("cpu", copy=True), cols.to("cpu", copy=True), locs.to("cpu", copy=True)))
+        self.writes += [_ints([TOKEN_WRITES, len(locs)])] + [t.to("cpu", torch.int64) for t in (rows, cols, locs)]
 
-    def take(self) -> list[tuple]:
+    def take(self) -> torch.Tensor:
+        """Every write since the last call, as one flat int64 tensor (copied: the callers' tensors may change)."""
         writes, self.writes = self.writes, []
-        return writes
+        return torch.cat(writes) if writes else torch.empty(0, dtype=torch.int64)
 
 
-def replay_writes(pool, writes: list[tuple]) -> None:
-    for kind, a, b, locs in writes:
-        if kind == "row":
-            pool.write(a, b, locs)
+def replay_writes(pool, writes: torch.Tensor) -> None:
+    i, end = 0, len(writes)
+    while i < end:
+        if int(writes[i]) == ROW_WRITE:
+            row, start, n = writes[i + 1 : i + 4].tolist()
+            pool.write(row, start, writes[i + 4 : i + 4 + n])
+            i += 4 + n
         else:
-            pool.write_tokens(a, b, locs)
+            n = int(writes[i + 1])
+            rows, cols, locs = writes[i + 2 : i + 2 + 3 * n].view(3, n)
+            pool.write_tokens(rows, cols, locs)
+            i += 2 + 3 * n
 
 
-def pack_forward(fb: ForwardBatch) -> dict:
-    return {f.name: (v.cpu() if isinstance(v, torch.Tensor) else v)
-            for f in dataclasses.fields(fb) if f.name not in _LOCAL_FIELDS for v in [getattr(fb, f.name)]}
+# One step: header + host integers + device payload ------------------------------------------------------------------
+def _device_fields(fb: ForwardBatch) -> list[torch.Tensor]:
+    fields = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens]
+    return fields + ([fb.logits_indices] if fb.logits_indices is not None else [])
 
 
-def unpack_forward(fields: dict, device: str) -> ForwardBatch:
-    return ForwardBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()})
+def encode_step(fb: ForwardBatch, writes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(header, overflow, payload): the host integers go in the header when they fit, else in ``overflow``;
+    ``payload`` is on the batch's device (one concatenation there, no host copy)."""
+    host = torch.cat([_ints(fb.seq_lens_cpu), _ints(fb.extend_prefix_lens_cpu), _ints(fb.extend_seq_lens_cpu),
+                      writes])
+    header = torch.zeros(HEADER_INTS, dtype=torch.int64)
+    header[:_META] = _ints([
+        FORWARD, _MODES.index(fb.forward_mode), len(fb.input_ids), fb.batch_size,
+        -1 if fb.logits_indices is None else len(fb.logits_indices), fb.mm_inputs is not None,
+        len(fb.extend_prefix_lens_cpu), len(fb.extend_seq_lens_cpu), len(writes), len(host)])
+    inline = len(host) <= INLINE_INTS
+    if inline:
+        header[_META : _META + len(host)] = host
+    payload = torch.cat([t.reshape(-1).to(torch.int64) for t in _device_fields(fb)])
+    return header, (torch.empty(0, dtype=torch.int64) if inline else host), payload
+
+
+def payload_len(header: torch.Tensor) -> int:
+    tokens, bs, logits = header[H_TOKENS : H_LOGITS + 1].tolist()
+    return 3 * tokens + 2 * bs + max(logits, 0)
+
+
+def decode_step(header: torch.Tensor, overflow: torch.Tensor, payload: torch.Tensor,
+                mm_inputs=None) -> tuple[ForwardBatch, torch.Tensor]:
+    """The inverse of ``encode_step``: (the ForwardBatch, the flat table writes)."""
+    (_, mode, tokens, bs, logits, _, n_prefix, n_extend, n_writes, n_host) = header[:_META].tolist()
+    host = header[_META : _META + n_host] if n_host <= INLINE_INTS else overflow
+    seq_lens_cpu, prefix_lens, extend_lens, writes = host.split([bs, n_prefix, n_extend, n_writes])
+    sizes = [tokens, tokens, tokens, bs, bs] + ([logits] if logits >= 0 else [])
+    fields = payload.split(sizes)
+    fb = ForwardBatch(_MODES[mode], *fields[:5], seq_lens_cpu=seq_lens_cpu.tolist(),
+                      extend_prefix_lens_cpu=prefix_lens.tolist(), extend_seq_lens_cpu=extend_lens.tolist(),
+                      logits_indices=fields[5] if logits >= 0 else None, mm_inputs=mm_inputs)
+    return fb, writes
+
+
+def send_step(fb: ForwardBatch, writes: torch.Tensor) -> None:
+    """Rank 0: the step to every follower (``receive_step`` on their side)."""
+    header, overflow, payload = encode_step(fb, writes)
+    broadcast_cpu(header)
+    if len(overflow):
+        broadcast_cpu(overflow)
+    if fb.mm_inputs is not None:
+        broadcast_object(fb.mm_inputs)
+    broadcast_device(payload)
+
+
+def send_exit() -> None:
+    header = torch.zeros(HEADER_INTS, dtype=torch.int64)
+    header[H_KIND] = EXIT
+    broadcast_cpu(header)
+
+
+def receive_step(device: str) -> tuple[ForwardBatch, torch.Tensor] | None:
+    """Followers: waits (without timeout) for rank 0's next step; None when rank 0 says exit."""
+    header = broadcast_cpu(torch.empty(HEADER_INTS, dtype=torch.int64))
+    if int(header[H_KIND]) == EXIT:
+        return None
+    n_host = int(header[H_CPU_INTS])
+    overflow = broadcast_cpu(torch.empty(n_host, dtype=torch.int64)) if n_host > INLINE_INTS else None
+    mm_inputs = broadcast_object() if int(header[H_MM]) else None
+    payload = broadcast_device(torch.empty(payload_len(header), dtype=torch.int64, device=device))
+    return decode_step(header, overflow, payload, mm_inputs)
 
 
 def _free_port() -> int:
@@ -95,10 +188,13 @@ class TPFollowers:
         root = os.path.dirname(os.path.dirname(os.path.abspath(sglang_backend.__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")  # import this very copy of the package
         self.procs: list[subprocess.Popen] = []
+        # Set by the model runner once every rank has built its model (the start-up collectives are done):
+        # from then on the followers wait for step headers, and an exit header reaches them.
+        self.ready = False
         for rank in range(1, size):
             proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env)
             pickle.dump((server_args, rank, init_method, torch.get_num_threads()), proc.stdin)
-            proc.stdin.flush()
+            proc.stdin.close()  # the start-up arguments are all that goes this way
             self.procs.append(proc)
         try:
             init_tp(0, size, init_method, device)
@@ -106,39 +202,45 @@ class TPFollowers:
             self.shutdown()
             raise
 
-    def send(self, msg) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        for proc in self.procs:
-            try:
-                proc.stdin.write(data)
-                proc.stdin.flush()
-            except (BrokenPipeError, ValueError):
-                raise RuntimeError(f"tensor-parallel rank (pid {proc.pid}) is gone (exit code {proc.poll()})") from None
-
-    def send_forward(self, fb: ForwardBatch, writes: list[tuple]) -> None:
-        self.send((writes, pack_forward(fb)))
+    def send_forward(self, fb: ForwardBatch, writes: torch.Tensor) -> None:
+        try:
+            send_step(fb, writes)
+        except RuntimeError as e:
+            gone = [f"pid {p.pid} exit code {p.returncode}" for p in self.procs if p.poll() is not None]
+            if gone:
+                raise RuntimeError(f"tensor-parallel rank is gone ({', '.join(gone)})") from e
+            raise
 
     def shutdown(self, wait_s: float = 30) -> None:
-        """Tells the followers to exit; kills those still running after ``wait_s`` (stuck in a collective)."""
-        for proc in self.procs:
-            try:
-                pickle.dump(None, proc.stdin)
-                proc.stdin.close()
-            except (BrokenPipeError, ValueError, OSError):
-                pass
-        deadline = time.monotonic() + wait_s
+        """Tells the followers to exit; kills those still running after ``wait_s`` (stuck in a collective), or
+        at once while they are still starting up (they may be inside a start-up collective)."""
+        sender = None
+        if self.ready and self.procs:
+            sender = threading.Thread(target=self._send_exit, daemon=True)
+            sender.start()  # a thread: a stuck follower must not block rank 0's shutdown
+        deadline = time.monotonic() + (wait_s if sender is not None else 0)
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if sender is not None:
+            sender.join(timeout=5)  # returns (or fails) once the followers are gone
         self.procs = []
+        self.ready = False
         destroy_tp()
+
+    @staticmethod
+    def _send_exit() -> None:
+        try:
+            send_exit()
+        except RuntimeError:  # a follower already gone
+            pass
 
 
 def _exit_with_parent(parent: int) -> None:
-    """A follower stuck inside a collective when rank 0 dies would wait for the NCCL timeout: leave now."""
+    """A follower stuck inside a collective when rank 0 dies would wait for the timeout: leave now."""
     while True:
         time.sleep(1.0)
         if os.getppid() != parent:
@@ -149,8 +251,7 @@ def follower_main() -> None:
     from ..engine import load_model_assets
     from ..model_executor.model_runner import ModelRunner, resolve_device
 
-    stdin = sys.stdin.buffer
-    server_args, rank, init_method, threads = pickle.load(stdin)
+    server_args, rank, init_method, threads = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=server_args.log_level.upper(), format=f"[tp rank {rank}] %(levelname)s %(message)s")
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(threads)
@@ -161,16 +262,10 @@ def follower_main() -> None:
     init_tp(rank, server_args.tp_size, init_method, device)
     model_dir, config, _ = load_model_assets(server_args)
     runner = ModelRunner(server_args, config, model_dir, tp_rank=rank)
-    while True:
-        try:
-            msg = pickle.load(stdin)
-        except EOFError:
-            msg = None
-        if msg is None:
-            break
-        writes, fields = msg
+    while (step := receive_step(runner.device)) is not None:
+        fb, writes = step
         replay_writes(runner.req_to_token_pool, writes)
-        runner.forward(unpack_forward(fields, runner.device))
+        runner.forward(fb)  # the same path as rank 0's: CUDA graph replay for decode batches
     destroy_tp()
 
 
