@@ -10,9 +10,15 @@ tensor-parallel group per process, and the GPU memory comes back between runs):
 * decode step time: for each batch size, (time of a 16+N-token generation - time of a 16-token one) / N,
   median of 3: the steady-state cost of one decode step, scheduling, sampling and the TP messages included.
 * configurations: CUDA graphs on and off (NCCL collectives are captured in the graphs; the eager run is the
-  fallback if capture fails), and a float32 correctness run (no near-ties from fp16 rounding).
+  fallback if capture fails), and a float32 correctness run (no near-ties from fp16 rounding; timed on the
+  CPU only, where it is the one run).
+* TP=2 also reports rank 0's host time per forward for handing the step to the other rank (the step header
+  over gloo plus queuing the NCCL broadcast of the batch tensors).
 
-GPU (2 GPUs):  NCCL_NVLS_ENABLE=0 python benchmarks/bench_tp.py     (~1 min per configuration, 6 of them)
+Every configuration must fit in --time-budget (default 330 s for all six); what does not fit is skipped and
+reported as an error, so the script always finishes and writes its JSON.
+
+GPU (2 GPUs):  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 python benchmarks/bench_tp.py
 CPU smoke:     python benchmarks/bench_tp.py --model tiny --device cpu --runs fp32-eager --batch-sizes 1 2 --steps 8
 Writes benchmarks/results/bench_tp_<model>_<device>.json and prints a table.
 """
@@ -44,6 +50,7 @@ RUNS = {"fp16-eager": ("float16", False, True), "fp16-graphs": ("float16", True,
         "fp32-eager": ("float32", False, False)}
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 32, 32
 CHILD_TIMEOUT_S = 200
+MIN_CHILD_S = 30  # a configuration is skipped when less than this is left of --time-budget
 
 
 def make_model_dir(name: str) -> str:
@@ -155,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=128, help="decode steps timed per measurement")
     p.add_argument("--out", default=None)
+    p.add_argument("--time-budget", type=float, default=330,
+                   help="seconds for all configurations; what does not fit is skipped (and reported)")
     # Internal: run one configuration and write its JSON.
     p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
@@ -176,9 +185,14 @@ def main(argv=None) -> int:
 
         result["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     rows = []
+    deadline = time.monotonic() + args.time_budget
     for run in args.runs:
         per_tp = {}
         for tp in args.tp_sizes:
+            left = deadline - time.monotonic()
+            if left < MIN_CHILD_S:
+                per_tp[tp] = {"error": f"skipped: {args.time_budget:.0f} s time budget spent"}
+                continue
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
                 path = tmp.name
             cmd = [sys.executable, os.path.abspath(__file__), "--child-json", path, "--tp", str(tp), "--run", run,
@@ -187,7 +201,7 @@ def main(argv=None) -> int:
             print(f"== {run}, tp={tp}", flush=True)
             t0 = time.perf_counter()
             try:
-                proc = subprocess.run(cmd, timeout=CHILD_TIMEOUT_S)
+                proc = subprocess.run(cmd, timeout=min(CHILD_TIMEOUT_S, left))
                 with open(path) as f:
                     per_tp[tp] = json.load(f) if proc.returncode == 0 else {"error": f"exit code {proc.returncode}"}
             except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError) as e:
@@ -207,15 +221,16 @@ def main(argv=None) -> int:
             for bs, ms in got.get("decode_step_ms", {}).items():
                 base = ref.get("decode_step_ms", {}).get(bs)
                 speed[bs] = round(base / ms, 3) if base else None
-                rows.append([run, bs, base, ms, speed[bs], cmp["outputs_equal"]])
+                rows.append([run, bs, base, ms, speed[bs], got.get("send_us_per_forward"), cmp["outputs_equal"]])
             if not speed:
-                rows.append([run, "-", None, None, None, cmp["outputs_equal"]])
+                rows.append([run, "-", None, None, None, None, cmp["outputs_equal"]])
             cmp["decode_speedup"] = speed
         result["runs"][run] = entry
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
         with open(out_path, "w") as f:
             json.dump(result, f, indent=2)
-    print(format_table(["run", "batch", "TP=1 step ms", "TP=2 step ms", "speedup", "outputs equal"], rows))
+    print(format_table(["run", "batch", "TP=1 step ms", "TP=2 step ms", "speedup", "TP=2 send us", "outputs equal"],
+                       rows))
     print(json.dumps({run: {k: v for k, v in e.items() if k != "by_tp"} for run, e in result["runs"].items()}, indent=1))
     print(f"wrote {out_path}")
     errors = [f"{run} tp={tp}: {v['error']}" for run, e in result["runs"].items() for tp, v in e["by_tp"].items()

@@ -1,7 +1,11 @@
 """Tensor parallelism on 2 GPUs (NCCL): TP=2 gives TP=1's greedy outputs with the triton backend, CUDA graphs
-on (NCCL collectives captured in the decode graphs) and off; the KV pool is whole afterwards."""
+on (NCCL collectives captured in the decode graphs, replayed by every rank) and off; the KV pool is whole
+afterwards, and the follower leaves promptly with exit code 0 (an exit header, then the NCCL communicators are
+torn down by both ranks together: a rank waiting for the other to exit first would hang until killed)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -33,13 +37,18 @@ def _run(path: str, tp: int, graphs: bool) -> list[list[int]]:
     eng = Engine(model_path=path, device="cuda", dtype="float32", attention_backend="triton", tp_size=tp,
                  disable_cuda_graph=not graphs, max_running_requests=8, max_total_tokens=8192,
                  check_pool_on_idle=True, log_level="warning")
+    followers = eng.scheduler.model_runner.tp_followers
+    procs = list(followers.procs) if followers is not None else []
     try:
         out = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "temperature": 0,
                                                                "ignore_eos": True})
         eng.check_pool_whole()
-        return [o["output_ids"] for o in out]
     finally:
+        t0 = time.monotonic()
         eng.shutdown()
+    assert [p.wait(timeout=30) for p in procs] == [0] * (tp - 1)
+    assert time.monotonic() - t0 < 20, "tensor-parallel shutdown took too long"
+    return [o["output_ids"] for o in out]
 
 
 @pytest.mark.parametrize("graphs", [False, True])

@@ -212,31 +212,37 @@ class TPFollowers:
             raise
 
     def shutdown(self, wait_s: float = 30) -> None:
-        """Tells the followers to exit; kills those still running after ``wait_s`` (stuck in a collective), or
-        at once while they are still starting up (they may be inside a start-up collective)."""
-        sender = None
-        if self.ready and self.procs:
-            sender = threading.Thread(target=self._send_exit, daemon=True)
-            sender.start()  # a thread: a stuck follower must not block rank 0's shutdown
-        deadline = time.monotonic() + (wait_s if sender is not None else 0)
+        """Tells the followers to exit and leaves the process group together with them (NCCL tears a
+        communicator down collectively: a rank that waited for the others to exit first would wait in vain);
+        kills those still running after ``wait_s`` (stuck in a collective), or at once while they are still
+        starting up (they may be inside a start-up collective, where an exit header would not reach them)."""
+        graceful = self.ready and bool(self.procs)
+        leave = threading.Thread(target=self._exit_and_destroy, daemon=True)
+        if graceful:
+            leave.start()  # a thread: a stuck follower must not block rank 0's shutdown
+        deadline = time.monotonic() + (wait_s if graceful else 0)
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if sender is not None:
-            sender.join(timeout=5)  # returns (or fails) once the followers are gone
         self.procs = []
         self.ready = False
-        destroy_tp()
+        if not graceful:
+            destroy_tp()
+            return
+        leave.join(timeout=10)  # returns (or fails) once the followers are gone
+        if leave.is_alive():
+            logger.warning("the tensor-parallel process group did not shut down; left behind")
 
     @staticmethod
-    def _send_exit() -> None:
+    def _exit_and_destroy() -> None:
         try:
             send_exit()
         except RuntimeError:  # a follower already gone
             pass
+        destroy_tp()
 
 
 def _exit_with_parent(parent: int) -> None:
