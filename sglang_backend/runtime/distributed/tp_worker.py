@@ -60,6 +60,10 @@ def _ints(values) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.int64)
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cpu", torch.int64, copy=True)  # the slots are host tensors already: a memcpy, no device sync
+
+
 class ReqToTokenWriteLog:
     """Rank 0's req_to_token pool, recording each write (flattened, on the host) for the followers; everything
     else is the pool's. The slots come from the host-side allocator, so recording them copies no device data."""
@@ -73,14 +77,14 @@ class ReqToTokenWriteLog:
 
     def write(self, idx: int, start: int, locs: torch.Tensor) -> None:
         self.pool.write(idx, start, locs)
-        self.writes += [_ints([ROW_WRITE, int(idx), int(start), len(locs)]), locs.to("cpu", torch.int64)]
+        self.writes += [_ints([ROW_WRITE, int(idx), int(start), len(locs)]), _host_copy(locs)]
 
     def write_tokens(self, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor) -> None:
         self.pool.write_tokens(rows, cols, locs)
-        self.writes += [_ints([TOKEN_WRITES, len(locs)])] + [t.to("cpu", torch.int64) for t in (rows, cols, locs)]
+        self.writes += [_ints([TOKEN_WRITES, len(locs)])] + [_host_copy(t) for t in (rows, cols, locs)]
 
     def take(self) -> torch.Tensor:
-        """Every write since the last call, as one flat int64 tensor (copied: the callers' tensors may change)."""
+        """Every write since the last call, as one flat int64 tensor."""
         writes, self.writes = self.writes, []
         return torch.cat(writes) if writes else torch.empty(0, dtype=torch.int64)
 
