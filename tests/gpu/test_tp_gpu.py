@@ -1,11 +1,13 @@
 """Tensor parallelism on 2 GPUs (NCCL): TP=2 gives TP=1's greedy outputs with the triton backend, CUDA graphs
 on (NCCL collectives captured in the decode graphs, replayed by every rank) and off; the KV pool is whole
-afterwards, and the follower leaves promptly with exit code 0 (an exit header, then the NCCL communicators are
+afterwards, rank 0 hands every step to the follower without a host sync (CUDA sync debug mode "error"
+around it, counted), and the follower leaves promptly with exit code 0 (an exit header, then the NCCL communicators are
 torn down by both ranks together: a rank waiting for the other to exit first would hang until killed)."""
 
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -39,9 +41,11 @@ def _run(path: str, tp: int, graphs: bool) -> list[list[int]]:
                  check_pool_on_idle=True, log_level="warning")
     followers = eng.scheduler.model_runner.tp_followers
     procs = list(followers.procs) if followers is not None else []
+    syncs = _sends_must_not_sync(followers) if followers is not None else []
     try:
         out = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "temperature": 0,
                                                                "ignore_eos": True})
+        assert not syncs, f"rank 0 synced with the device while sending a step: {syncs[0]}"
         eng.check_pool_whole()
     finally:
         t0 = time.monotonic()
@@ -49,6 +53,29 @@ def _run(path: str, tp: int, graphs: bool) -> list[list[int]]:
     assert [p.wait(timeout=30) for p in procs] == [0] * (tp - 1)
     assert time.monotonic() - t0 < 20, "tensor-parallel shutdown took too long"
     return [o["output_ids"] for o in out]
+
+
+def _sends_must_not_sync(followers) -> list[str]:
+    """Records each device sync rank 0 makes while sending a step (CUDA sync debug mode "warn"; from the second
+    step on: the first may set up the NCCL communicator). Warnings, not errors: an exception half-way through a
+    step would leave the follower waiting for the rest of it."""
+    send, calls, syncs = followers.send_forward, [0], []
+
+    def checked(*args):
+        calls[0] += 1
+        if calls[0] == 1:
+            return send(*args)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                send(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+
+    followers.send_forward = checked
+    return syncs
 
 
 @pytest.mark.parametrize("graphs", [False, True])
