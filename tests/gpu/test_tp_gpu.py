@@ -1,8 +1,8 @@
 """Tensor parallelism on 2 GPUs (NCCL): TP=2 gives TP=1's greedy outputs with the triton backend, CUDA graphs
 on (NCCL collectives captured in the decode graphs, replayed by every rank) and off; the KV pool is whole
-afterwards, rank 0 hands every step to the follower without a host sync (CUDA sync debug mode "error"
-around it, counted), and the follower leaves promptly with exit code 0 (an exit header, then the NCCL communicators are
-torn down by both ranks together: a rank waiting for the other to exit first would hang until killed)."""
+afterwards; rank 0 hands every step to the follower without a device sync (CUDA sync debug mode "warn"
+around it, counted); the follower leaves promptly with exit code 0 (an exit header, then both ranks tear the
+NCCL communicators down together: a rank waiting for the other to exit first would hang until killed)."""
 
 from __future__ import annotations
 
