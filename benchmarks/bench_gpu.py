@@ -23,7 +23,7 @@ Model: dummy (random) weights at Llama-2-7B shape in fp16 (``--model llama2-7b``
 Sections (``--only``, run in this order): ceilings, correctness (kernel errors vs float64 on fresh random
 inputs), attn_sweep (decode-attention launch configs; the fastest become the run's defaults), gemv_sweep
 (cuBLAS vs Triton GEMV at batch 1), hf, profile (per-kernel time of an eager decode step), runner,
-engine_decode, shared, offline, no_overlap, no_pdl, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
+engine_decode, shared, offline, no_overlap, pdl, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
 have since landed in the scheduler; its result is kept in results/gpu_llama2_7b_sched_patch.json.)
 
 Writes ``$OUT/gpu_<model>.json`` when $OUT is set, else ``benchmarks/results/gpu_<model>.json``.
@@ -349,14 +349,19 @@ def bench_runner(eng, mb: dict, name: str):
                 mr.graph_runner = gr
             log(f"   eager (no graph): {res[key]['step_eager_s'] * 1e3:.3f} ms")
         _free_requests(mr, rows, slots)
+    # The headline figures are the product defaults (fused GEMV on sm90+, PDL off); the rest stay as variants.
+    from sglang_backend.runtime.layers.attention.triton_ops.fused_llama import default_gemv_mode
+
+    default_mode = default_gemv_mode("cuda") if fused_ok else "off"
+    pdl.set_enabled(None)
+    default_pdl = pdl.enabled(torch.empty(0, device="cuda"))
     for bs in (1, 64):
         best = min((k for k in res if k.startswith(f"decode_bs{bs}_")), key=lambda k: res[k]["step_s"])
-        res[f"decode_bs{bs}"] = dict(res[best], variant=best)
-        log(f"decode bs={bs}: fastest {best}")
-    b1, b64 = res["decode_bs1"], res["decode_bs64"]
-    pdl_default = b64["pdl"]  # the rest of the run (engine sections) uses the large-batch winner's PDL setting
-    configure(b1["gemv_mode"], pdl_default)
-    log(f"configured for the following sections: batch-1 linears {b1['gemv_mode']}, PDL {pdl_default}")
+        key = f"decode_bs{bs}_{default_mode if bs == 1 else 'off'}_{'pdl' if default_pdl else 'nopdl'}"
+        res[f"decode_bs{bs}"] = dict(res[key], variant=key, fastest_variant=best)
+        log(f"decode bs={bs}: default {key} {res[key]['step_s'] * 1e3:.3f} ms; fastest {best}")
+    configure(default_mode, None)
+    log(f"configured for the following sections: batch-1 linears {default_mode}, PDL {default_pdl}")
 
     # Prefill 8 x 1024.
     n_req, n = 8, 1024
@@ -802,7 +807,7 @@ def table(name: str) -> str:
                      f"floor shared {ms(rs.get('floor_shared_s'))}, private {ms(rs.get('floor_private_s'))}"])
     for key, label in (("offline_1k_1k", "offline 1k in / 1k out"),
                        ("offline_1k_1k_no_overlap", "1k/1k, overlap off"),
-                       ("offline_1k_1k_no_pdl", "1k/1k, PDL off"),
+                       ("offline_1k_1k_pdl", "1k/1k, PDL on"),
                        ("offline_1k_1k_patched", "1k/1k + sched patch")):
         f = o.get(key)
         if f:
@@ -813,9 +818,9 @@ def table(name: str) -> str:
         rows.append([f"  variant {key[len('decode_'):]}", ms(d["step_s"]), f"floor {ms(d['floor_s'])}",
                      f"{d['ratio_to_floor']:.3f}x floor", f"synced {ms(d['step_synced_s'])}"])
     for bs in (1, 64):
-        e = o.get(f"engine_decode_step_bs{bs}_s_no_pdl")
+        e = o.get(f"engine_decode_step_bs{bs}_s_pdl")
         if e:
-            rows.append([f"engine decode bs={bs}, PDL off", ms(e), f"PDL default {ms(o.get(f'engine_decode_step_bs{bs}_s'))}",
+            rows.append([f"engine decode bs={bs}, PDL on", ms(e), f"default {ms(o.get(f'engine_decode_step_bs{bs}_s'))}",
                          "-", "whole engine loop per step"])
     for bs in (1, 64):
         e = o.get(f"engine_decode_step_bs{bs}_s_no_overlap")
@@ -907,13 +912,13 @@ def main(argv=None):
         eng = None
         gc.collect()
         torch.cuda.empty_cache()
-    if "no_pdl" in only:  # ablation: kernels launched without programmatic dependent launch
+    if "pdl" in only:  # ablation: kernels launched with programmatic dependent launch (off by default)
         from sglang_backend.runtime.layers.attention.triton_ops import pdl
 
-        pdl.set_enabled(False)
+        pdl.set_enabled(True)
         eng = make_engine(model_dir, spec["dtype"], mem_fraction_static=args.mem_fraction_static)
-        bench_engine_decode(eng, vocab, "_no_pdl")
-        bench_offline(eng, vocab, args.offline_max_requests, "offline_1k_1k_no_pdl")
+        bench_engine_decode(eng, vocab, "_pdl")
+        bench_offline(eng, vocab, args.offline_max_requests, "offline_1k_1k_pdl")
         close_engine(eng)
         pdl.set_enabled(None)
         eng = None

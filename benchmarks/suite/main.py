@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     t_start = time.perf_counter()
     with open(results_path, "w", encoding="utf-8") as f:
         current, engine, backend = None, None, None
+        warmed: set = set()  # (engine configuration, workload) pairs that ran their warm-up instance
         for b, name, mode in triples:
             baseline = BASELINES[b]
             if budget_over(args.time_budget, t_start):
@@ -332,6 +333,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 backend = EngineBackend(engine, fork_hints=baseline.fork_hints)  # same engine, other frontend
             mod = wl_registry.load(name)
             todo = instances[name] if mode == "throughput" else instances[name][:latency_n]
+            if getattr(mod, "WARM_UP_INSTANCE", False) and (current, name) not in warmed:
+                run(mod, todo[:1], backend, engine, baseline, mode, show_progress=False)  # untimed, discarded
+                warmed.add((current, name))
             row = run(mod, todo, backend, engine, baseline, mode, show_progress=not args.no_progress)
             row["preset"] = preset
             rows.append(row)

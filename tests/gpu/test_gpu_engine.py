@@ -101,7 +101,7 @@ def test_batch1_gemv_modes_and_pdl_match_torch_native(peaked_model_dir, dtype, m
     prologue, SiLU-mul / residual epilogues), each with and without programmatic dependent launch."""
     from sglang_backend.runtime.layers.attention.triton_ops import pdl
 
-    prompts = _prompts()[:1] + _prompts()[4:5]
+    prompts = _prompts()[:1]  # a 305-token prompt: 32 decode steps at batch 1
     ref = [_run(peaked_model_dir, dtype, [p], attention_backend="torch_native")[0][0] for p in prompts]
     ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
     try:

@@ -11,8 +11,6 @@ unfused kernels in fused_ops.py:
   program computes the fp32 sum of squares of the 1-row x itself: a few KB from L2);
 * ``silu_mul``: W holds [gate; up] (2N rows); y = silu(x @ gate^T) * (x @ up^T);
 * ``residual``: y is added into ``residual`` in place (each program owns its output columns) and returned.
-
-Under PDL the first weight tile is requested before waiting for the previous kernel: weights never depend on it.
 """
 
 from __future__ import annotations
@@ -45,11 +43,6 @@ def _gemv_kernel(X, W, B, Y, NW, N, K, stride_w, eps,
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_w
     u_rows = W + (offs_n + N).to(tl.int64)[:, None] * stride_w  # the "up" half when SILU_MUL
     offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
-    tile_mask = mask_n[:, None] & mask_k[None, :]
-    w0 = tl.load(w_rows + offs_k[None, :], mask=tile_mask, other=0.0)  # before the wait: weights are constant
-    if SILU_MUL:
-        u0 = tl.load(u_rows + offs_k[None, :], mask=tile_mask, other=0.0)
     pdl_begin(PDL)
 
     rstd = 1.0
@@ -60,19 +53,19 @@ def _gemv_kernel(X, W, B, Y, NW, N, K, stride_w, eps,
             sq += r * r
         rstd = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
 
-    x = _load_x(X, NW, offs_k, mask_k, rstd, NORM)
-    acc = w0.to(tl.float32) * x[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SILU_MUL:
-        acc_u = u0.to(tl.float32) * x[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mk = ks < K
         m = mask_n[:, None] & mk[None, :]
-        x = _load_x(X, NW, ks, mk, rstd, NORM)
         w = tl.load(w_rows + ks[None, :], mask=m, other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
         if SILU_MUL:
             u = tl.load(u_rows + ks[None, :], mask=m, other=0.0)
+        x = _load_x(X, NW, ks, mk, rstd, NORM)
+        acc += w.to(tl.float32) * x[None, :]
+        if SILU_MUL:
             acc_u += u.to(tl.float32) * x[None, :]
 
     y = tl.sum(acc, 1)
