@@ -333,8 +333,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 backend = EngineBackend(engine, fork_hints=baseline.fork_hints)  # same engine, other frontend
             mod = wl_registry.load(name)
             todo = instances[name] if mode == "throughput" else instances[name][:latency_n]
-            if getattr(mod, "WARM_UP_INSTANCE", False) and (current, name) not in warmed:
-                run(mod, todo[:1], backend, engine, baseline, mode, show_progress=False)  # untimed, discarded
+            if (current, name) not in warmed:
+                # One untimed instance of each workload on each engine: one-time costs (Triton JIT of the shapes
+                # this workload hits, its grammar's token index; both cached on disk after the first process)
+                # must not land in whichever configuration happens to run first.
+                run(mod, todo[:1], backend, engine, baseline, mode, show_progress=False)
                 warmed.add((current, name))
             row = run(mod, todo, backend, engine, baseline, mode, show_progress=not args.no_progress)
             row["preset"] = preset

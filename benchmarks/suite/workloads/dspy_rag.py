@@ -16,9 +16,6 @@ NAME = "dspy_rag"
 DESCRIPTION = "DSPy RAG: shared instructions + demos, retrieved context (needs dspy + sglang_dspy)"
 REUSE = True
 HF = False  # the DSPy program talks to our adapter only
-# One untimed instance first on each engine: compiling the grammar's token index (cached on disk after the
-# first engine) must not land in the first configuration's timing only.
-WARM_UP_INSTANCE = True
 SIZES = {
     "smoke": dict(n=3, passages=6, passage_tokens=20, k=2, demos=2, question_tokens=8, max_tokens=48),
     "cpu": dict(n=6, passages=16, passage_tokens=50, k=2, demos=2, question_tokens=12, max_tokens=64),

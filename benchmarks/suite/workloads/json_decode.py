@@ -7,9 +7,6 @@ NAME = "json_decode"
 DESCRIPTION = "regex-constrained JSON extraction (compressed FSM, jump-forward)"
 REUSE = True
 HF = False  # HF generate has no regex constraint
-# One untimed instance first on each engine: compiling the grammar's token index (cached on disk after the
-# first engine) must not land in the first configuration's timing only.
-WARM_UP_INSTANCE = True
 SIZES = {
     "smoke": dict(n=4, document_tokens=20, max_tokens=48),
     "cpu": dict(n=8, document_tokens=80, max_tokens=96),
