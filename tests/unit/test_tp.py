@@ -5,7 +5,8 @@ sends every forward to rank 1 (the KV slot writes included). The workload reuses
 chunks a long prompt and asks for prompt logprobs, so the follower's KV table has to track every kind of
 write rank 0 makes. Two models: GQA with KV heads split over the ranks and checkpoint weights loaded shard
 by shard; and tied embeddings with one KV head (replicated on both ranks), a vocabulary not divisible by 2
-(padded vocab shards) and dummy weights (drawn at full shape, then sharded).
+(padded vocab shards), dummy weights (drawn at full shape, then sharded) and 4-token KV pages (decode then
+writes the table row by row).
 
 The step transport (header over the CPU group, one payload over the device group) round-trips every
 ForwardBatch field and every kind of table write; and an idle follower outlives the device group's timeout
@@ -63,10 +64,10 @@ def tied_kv1_dir(tmp_path_factory) -> str:
     return out
 
 
-@pytest.mark.parametrize("model, load_format", [("tiny_gqa_dir", "auto"), ("tied_kv1_dir", "dummy")])
-def test_tp2_matches_tp1(request, model, load_format):
+@pytest.mark.parametrize("model, load_format, page_size", [("tiny_gqa_dir", "auto", 1), ("tied_kv1_dir", "dummy", 4)])
+def test_tp2_matches_tp1(request, model, load_format, page_size):
     path = request.getfixturevalue(model)
-    kwargs = dict(load_format=load_format, chunked_prefill_size=16, max_total_tokens=2048)
+    kwargs = dict(load_format=load_format, chunked_prefill_size=16, max_total_tokens=2048, page_size=page_size)
     with make_engine(path, **kwargs) as e1:
         ref = _run(e1)
     e2 = make_engine(path, tp_size=2, **kwargs)
