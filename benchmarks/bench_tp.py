@@ -172,6 +172,7 @@ def main(argv=None) -> int:
     # NVLink multicast stays off on shared GPU hosts (children and TP ranks inherit the environment).
     for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(var, value)
+    os.environ.setdefault("SGLANG_BACKEND_TP_STATS", "1")  # followers print their forward count and lag at exit
     if args.child_json:
         with open(args.child_json, "w") as f:
             json.dump(child(args), f)

@@ -272,10 +272,21 @@ def follower_main() -> None:
     init_tp(rank, server_args.tp_size, init_method, device)
     model_dir, config, _ = load_model_assets(server_args)
     runner = ModelRunner(server_args, config, model_dir, tp_rank=rank)
+    steps = graphed = 0
+    busy = 0.0  # host seconds from a step's arrival until its forward returns (on a GPU: is queued)
     while (step := receive_step(runner.device)) is not None:
+        t0 = time.perf_counter()
         fb, writes = step
         replay_writes(runner.req_to_token_pool, writes)
+        steps += 1
+        graphed += runner.graph_runner is not None and runner.graph_runner.can_run(fb)
         runner.forward(fb)  # the same path as rank 0's: CUDA graph replay for decode batches
+        busy += time.perf_counter() - t0
+    msg = (f"tp rank {rank}: {steps} forwards ({graphed} by CUDA graph), "
+           f"{1e6 * busy / max(steps, 1):.0f} us host time each after its header arrived")
+    if os.environ.get("SGLANG_BACKEND_TP_STATS") == "1":
+        print(msg, file=sys.stderr, flush=True)
+    logger.info(msg)
     destroy_tp()
 
 
