@@ -10,12 +10,13 @@ tensor-parallel group per process, and the GPU memory comes back between runs):
 * decode step time: for each batch size, (time of a 16+N-token generation - time of a 16-token one) / N,
   median of 3: the steady-state cost of one decode step, scheduling, sampling and the TP messages included.
 * configurations: CUDA graphs on and off (NCCL collectives are captured in the graphs; the eager run is the
-  fallback if capture fails), and a float32 correctness run (no near-ties from fp16 rounding; timed on the
-  CPU only, where it is the one run).
+  fallback if capture fails), a float32 correctness run (no near-ties from fp16 rounding; timed on the
+  CPU only, where it is the one run), and last, graphs with overlapped decode at both tp sizes (the server
+  enables it at TP=1 only; the step transport queues everything without a host sync, so it applies to TP=2).
 * TP=2 also reports rank 0's host time per forward for handing the step to the other rank (the step header
   over gloo plus queuing the NCCL broadcast of the batch tensors).
 
-Every configuration must fit in --time-budget (default 330 s for all six); what does not fit is skipped and
+Every configuration must fit in --time-budget (default 330 s for all eight); what does not fit is skipped and
 reported as an error, so the script always finishes and writes its JSON.
 
 GPU (2 GPUs):  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 python benchmarks/bench_tp.py
@@ -44,10 +45,11 @@ MODELS = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
 }
-# name -> (dtype, CUDA graphs, time the decode step)
-# (eager first: its numbers are saved even if capturing NCCL collectives in CUDA graphs fails or hangs)
-RUNS = {"fp16-eager": ("float16", False, True), "fp16-graphs": ("float16", True, True),
-        "fp32-eager": ("float32", False, False)}
+# name -> (dtype, CUDA graphs, time the decode step, overlapped decode)
+# (eager first: its numbers are saved even if capturing NCCL collectives in CUDA graphs fails or hangs; the
+# overlap run last: an experiment, as the server runs overlapped decode at TP=1 only)
+RUNS = {"fp16-eager": ("float16", False, True, False), "fp16-graphs": ("float16", True, True, False),
+        "fp32-eager": ("float32", False, False, False), "fp16-graphs-overlap": ("float16", True, True, True)}
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 32, 32
 CHILD_TIMEOUT_S = 200
 MIN_CHILD_S = 30  # a configuration is skipped when less than this is left of --time-budget
@@ -76,8 +78,9 @@ def child(args) -> dict:
     import torch
 
     from sglang_backend import Engine
+    from sglang_backend.runtime.managers.overlap import OverlapDecoder
 
-    dtype, graphs, timed = RUNS[args.run]
+    dtype, graphs, timed, overlap = RUNS[args.run]
     gpu = args.device == "cuda"
     timed = timed or not gpu  # on the CPU the fp32 run is the only one: time it
     t0 = time.perf_counter()
@@ -85,6 +88,8 @@ def child(args) -> dict:
                  tp_size=args.tp, attention_backend="triton" if gpu else "torch_native", disable_cuda_graph=not graphs,
                  max_running_requests=max(args.batch_sizes + [PROMPTS]), max_total_tokens=32768, log_level="warning",
                  disable_overlap_schedule=True)  # overlapped decode is TP=1 only: compare like with like
+    if overlap:  # at every tp size alike (as tests/unit/test_overlap.py switches it on)
+        eng.scheduler.overlap = OverlapDecoder(eng.scheduler)
     out = {"tp": args.tp, "run": args.run, "startup_s": round(time.perf_counter() - t0, 1),
            "cuda_graphs": eng.scheduler.model_runner.graph_runner is not None}
     try:
