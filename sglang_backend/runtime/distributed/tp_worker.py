@@ -29,6 +29,7 @@ Run as ``python -m sglang_backend.runtime.distributed.tp_worker`` by rank 0 only
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -287,7 +288,20 @@ def follower_main() -> None:
     if os.environ.get("SGLANG_BACKEND_TP_STATS") == "1":
         print(msg, file=sys.stderr, flush=True)
     logger.info(msg)
+    release_graphs(runner)
     destroy_tp()
+
+
+def release_graphs(runner) -> None:
+    """Drops the runner's CUDA graphs before the process group goes: the graphs hold the NCCL collectives
+    captured in them, and tearing the communicator down under them left it hanging on the GPU (the follower
+    had to be killed, rank 0 aborted at exit)."""
+    if runner.graph_runner is None:
+        return
+    runner.graph_runner = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -82,6 +82,9 @@ class ModelRunner:
     def shutdown(self, wait_s: float = 30) -> None:
         """Stops the other tensor-parallel ranks (rank 0 only; nothing to do at tp_size 1)."""
         if self.tp_followers is not None:
+            from ..distributed.tp_worker import release_graphs
+
+            release_graphs(self)  # as the followers do: graphs first, then the communicators
             self.tp_followers.shutdown(wait_s)
             self.tp_followers = None
 
