@@ -22,7 +22,8 @@ Model: dummy (random) weights at Llama-2-7B shape in fp16 (``--model llama2-7b``
 
 Sections (``--only``, run in this order): ceilings, correctness (kernel errors vs float64 on fresh random
 inputs), attn_sweep (decode-attention launch configs; the fastest become the run's defaults), gemv_sweep
-(cuBLAS vs Triton GEMV at batch 1), hf, profile (per-kernel time of an eager decode step), runner,
+(cuBLAS vs Triton GEMV at batch 1), hf, profile (per-kernel time of an eager decode step), gemv_step_sweep
+(GEMV launch configs per weight shape, judged by the whole batch-1 step), runner,
 engine_decode, shared, offline, no_overlap, pdl, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
 have since landed in the scheduler; its result is kept in results/gpu_llama2_7b_sched_patch.json.)
 
@@ -387,6 +388,80 @@ def bench_runner(eng, mb: dict, name: str):
     _free_requests(mr, rows, slots)
     eng.flush_cache()
     RESULT.setdefault("ours", {}).update(res)
+
+
+@section("gemv_step_sweep")
+def bench_gemv_step_sweep(eng, mb: dict):
+    """Launch configs of the fused batch-1 GEMV, judged by the whole decode step (bs 1, 1k context, CUDA graph)
+    rather than by each GEMV alone (alone, launch and tail dominate and mislead). One weight shape at a time,
+    the others at their best so far (coordinate descent); the winners go into gemv.GEMV_CONFIGS for the rest
+    of the run and are printed, to be written into gemv.py."""
+    from sglang_backend.runtime.layers.attention.triton_ops import gemv as gemv_mod
+    from sglang_backend.runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+    from sglang_backend.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+    mr = eng.scheduler.model_runner
+    if mr.executor is None:
+        log("no fused executor: skipped")
+        return
+    eng.flush_cache()
+    _random_kv(mr)
+    mode = mr.executor.gemv_mode
+    mr.executor.gemv_mode = "fused"
+    layer = mr.executor.model.model.layers[0]
+    shapes = {"qkv": (layer.self_attn.qkv_proj, False), "o": (layer.self_attn.o_proj, False),
+              "gate_up": (layer.mlp.gate_up_proj, True), "down": (layer.mlp.down_proj, False)}
+    shapes = {k: (m.weight.shape[0], m.weight.shape[1], silu) for k, (m, silu) in shapes.items()}
+    candidates = [[16, 256, 4, 3], [8, 512, 4, 3], [16, 512, 4, 2], [16, 512, 8, 3], [32, 256, 8, 3],
+                  [32, 128, 4, 4], [8, 1024, 8, 2], [4, 1024, 4, 3], [8, 256, 4, 4]]
+    ctx = 1024
+    rows, slots, per = _alloc_requests(mr, [ctx])
+    fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, mr.vocab_size, (1,), device="cuda"),
+                      torch.full((1,), ctx - 1, device="cuda"), per[0][-1:], torch.tensor(rows, device="cuda"),
+                      torch.full((1,), ctx, device="cuda"), [ctx], logits_indices=torch.arange(1, device="cuda"))
+
+    def step_time() -> float:
+        mr.graph_runner = None
+        gc.collect()
+        mr.graph_runner = CudaGraphRunner(mr, capture_bs=[1])
+        return statistics.median(cuda_time(lambda: mr.forward(fb), 30, 5))
+
+    res = {"shapes": {k: list(v) for k, v in shapes.items()}, "runs": []}
+    try:
+        res["start_s"] = best_t = step_time()
+        log(f"gemv step sweep: start {best_t * 1e3:.3f} ms")
+        for name, key in shapes.items():
+            best_cfg = gemv_mod.GEMV_CONFIGS.get(key, gemv_mod.GEMV_CONFIG)
+            for cfg in candidates:
+                if cfg == best_cfg:
+                    continue
+                gemv_mod.GEMV_CONFIGS[key] = cfg
+                try:
+                    t = step_time()
+                except Exception as e:  # noqa: BLE001 - a config may not compile (registers, shared memory)
+                    log(f"  {name} {cfg} failed: {e!r}"[:200])
+                    continue
+                res["runs"].append({"shape": name, "config": cfg, "step_s": t})
+                log(f"  {name} {cfg}: {t * 1e3:.3f} ms")
+                if t < best_t:
+                    best_t, best_cfg = t, cfg
+            gemv_mod.GEMV_CONFIGS[key] = best_cfg
+            log(f"  {name} {key}: best {best_cfg} ({best_t * 1e3:.3f} ms)")
+        res["final_s"] = step_time()
+        res["chosen"] = {name: gemv_mod.GEMV_CONFIGS.get(key, gemv_mod.GEMV_CONFIG) for name, key in shapes.items()}
+        floor = (mb["weight_bytes"] + ctx * mb["kv_bytes_per_token"]) / RESULT["ceilings"]["copy_bw_Bps"] \
+            if "ceilings" in RESULT else None
+        res["floor_s"] = floor
+        log(f"gemv step sweep: {res['start_s'] * 1e3:.3f} -> {res['final_s'] * 1e3:.3f} ms"
+            + (f" ({res['final_s'] / floor:.3f}x floor)" if floor else "") + f"; GEMV_CONFIGS = {{"
+            + ", ".join(f"{tuple(shapes[n])}: {c}" for n, c in res["chosen"].items()) + "}")
+    finally:
+        _free_requests(mr, rows, slots)
+        mr.executor.gemv_mode = mode
+        mr.graph_runner = None
+        gc.collect()
+        mr.graph_runner = CudaGraphRunner(mr)
+    RESULT["gemv_step_sweep"] = res
 
 
 @section("runner_shared")
@@ -881,12 +956,14 @@ def main(argv=None):
     if "hf" in only:
         bench_hf(name, args)
     model_dir = make_model_dir(name)
-    if only & {"runner", "runner_shared", "engine_decode", "shared", "offline", "profile", "cpu_profile"}:
+    if only & {"runner", "gemv_step_sweep", "runner_shared", "engine_decode", "shared", "offline", "profile", "cpu_profile"}:
         eng = make_engine(model_dir, spec["dtype"], mem_fraction_static=args.mem_fraction_static)
         RESULT["engine"] = {"max_total_num_tokens": eng.scheduler.model_runner.max_total_num_tokens,
                             "capture_bs": getattr(eng.scheduler.model_runner.graph_runner, "capture_bs", None)}
         if "profile" in only:
             bench_profile(eng)
+        if "gemv_step_sweep" in only:  # first: the runner's figures then use the winners
+            bench_gemv_step_sweep(eng, mb)
         if "runner" in only:
             bench_runner(eng, mb, name)
         if "runner_shared" in only:

@@ -84,8 +84,10 @@ def _gemv_kernel(X, W, B, Y, NW, N, K, stride_w, eps,
     tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); per weight shape (rows, cols, silu_mul) where a sweep of the whole
+# decode step found better (benchmarks/bench_gpu.py --only gemv_step_sweep), else the default.
 GEMV_CONFIG = [16, 256, 4, 3]
+GEMV_CONFIGS: dict[tuple[int, int, bool], list[int]] = {}
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -106,7 +108,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         y = residual
     else:
         y = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config or GEMV_CONFIG
+    block_n, block_k, warps, stages = config or GEMV_CONFIGS.get((weight.shape[0], K, silu_mul), GEMV_CONFIG)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else weight, y, norm_weight if norm_weight is not None else x,
         N, K, weight.stride(0), eps,
