@@ -20,6 +20,8 @@ Every configuration must fit in --time-budget (default 330 s for all eight); wha
 reported as an error, so the script always finishes and writes its JSON.
 
 GPU (2 GPUs):  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 python benchmarks/bench_tp.py
+Follower profile: SGLANG_BACKEND_TP_PROFILE=$OUT/tp_prof makes each follower write a cProfile of its step loop
+to $OUT/tp_prof.rank<r>.txt at exit (top 30 by own and by cumulative time).
 CPU smoke:     python benchmarks/bench_tp.py --model tiny --device cpu --runs fp32-eager --batch-sizes 1 2 --steps 8
 Writes benchmarks/results/bench_tp_<model>_<device>.json and prints a table.
 """

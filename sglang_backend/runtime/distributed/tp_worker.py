@@ -275,6 +275,13 @@ def follower_main() -> None:
     runner = ModelRunner(server_args, config, model_dir, tp_rank=rank)
     steps = graphed = 0
     busy = 0.0  # host seconds from a step's arrival until its forward returns (on a GPU: is queued)
+    profile_path = os.environ.get("SGLANG_BACKEND_TP_PROFILE")  # cProfile of the step loop, written at exit
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     while (step := receive_step(runner.device)) is not None:
         t0 = time.perf_counter()
         fb, writes = step
@@ -283,6 +290,13 @@ def follower_main() -> None:
         graphed += runner.graph_runner is not None and runner.graph_runner.can_run(fb)
         runner.forward(fb)  # the same path as rank 0's: CUDA graph replay for decode batches
         busy += time.perf_counter() - t0
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        with open(f"{profile_path}.rank{rank}.txt", "w") as f:
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(profiler, stream=f).sort_stats(key).print_stats(30)
     msg = (f"tp rank {rank}: {steps} forwards ({graphed} by CUDA graph), "
            f"{1e6 * busy / max(steps, 1):.0f} us host time each after its header arrived")
     if os.environ.get("SGLANG_BACKEND_TP_STATS") == "1":
