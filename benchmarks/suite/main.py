@@ -134,6 +134,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="extra ServerArgs for every engine, e.g. max_total_tokens=20000")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time each run this many times on its engine and report the last (the others are kept "
+                             "in the row's repeat_programs_per_s): steadier figures where one-time costs linger")
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="start no new run after this many seconds (the rest is listed in meta.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -188,6 +191,8 @@ def run_isolated(args, argv, triples, out_dir: str) -> tuple[list[dict], list[st
         passthrough += ["--size", item]
     for item in args.engine_arg:
         passthrough += ["--engine-arg", item]
+    if args.repeats != 1:
+        passthrough += ["--repeats", str(args.repeats)]
     rows, skipped, t_start = [], [], time.perf_counter()
     for i, (_, group) in enumerate(groups):
         left = None if args.time_budget is None else args.time_budget - (time.perf_counter() - t_start)
@@ -339,7 +344,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 # must not land in whichever configuration happens to run first.
                 run(mod, todo[:1], backend, engine, baseline, mode, show_progress=False)
                 warmed.add((current, name))
-            row = run(mod, todo, backend, engine, baseline, mode, show_progress=not args.no_progress)
+            runs = [run(mod, todo, backend, engine, baseline, mode, show_progress=not args.no_progress)
+                    for _ in range(max(1, args.repeats))]
+            row = runs[-1]
+            if len(runs) > 1:
+                row["repeat_programs_per_s"] = [r["programs_per_s"] for r in runs]
             row["preset"] = preset
             rows.append(row)
             f.write(json.dumps(row) + "\n")
