@@ -341,7 +341,7 @@ def bench_runner(eng, mb: dict, name: str):
                     "ratio_to_floor": step / floor if floor else None, "achieved_Bps": floor_bytes / step}
         log(f"decode bs={bs} ctx={ctx} [{key}]: {step * 1e3:.3f} ms (synced {statistics.median(t_sync) * 1e3:.3f} ms); "
             f"floor {floor * 1e3 if floor else float('nan'):.3f} ms; ratio {step / floor if floor else float('nan'):.3f}")
-        if gemv_mode == "fused" and use_pdl or bs == 64 and use_pdl:  # without graphs too, for the record
+        if not use_pdl and (gemv_mode == "fused" or bs == 64):  # the defaults without graphs, for the record
             gr = mr.graph_runner
             mr.graph_runner = None
             try:
