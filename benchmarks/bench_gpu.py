@@ -21,7 +21,8 @@ Model: dummy (random) weights at Llama-2-7B shape in fp16 (``--model llama2-7b``
     python -m benchmarks.bench_gpu --smoke               # tiny model, seconds (a GPU is still needed)
 
 Sections (``--only``, run in this order): ceilings, correctness (kernel errors vs float64 on fresh random
-inputs), attn_sweep (decode-attention launch configs; the fastest become the run's defaults), gemv_sweep
+inputs), pdl_probe (a chain of GEMVs with and without PDL, eager and graphed), attn_sweep (decode-attention
+launch configs; the fastest become the run's defaults), gemv_sweep
 (cuBLAS vs Triton GEMV at batch 1), hf, profile (per-kernel time of an eager decode step), gemv_step_sweep
 (GEMV launch configs per weight shape, judged by the whole batch-1 step), runner,
 engine_decode, shared, offline, no_overlap, pdl, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
@@ -707,6 +708,39 @@ def graph_time(fns, reps: int = 7) -> float:
     return t / len(fns)
 
 
+@section("pdl_probe")
+def bench_pdl_probe():
+    """Does programmatic dependent launch shorten the gaps between dependent kernels here? A chain of 64
+    dependent 4096x4096 GEMVs (8 weights rotated: 268 MB, past the L2), timed eager and as a CUDA graph, with
+    and without PDL: per-GEMV time and bandwidth."""
+    from sglang_backend.runtime.layers.attention.triton_ops import pdl
+    from sglang_backend.runtime.layers.attention.triton_ops.gemv import gemv
+
+    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.float16) / 64 for _ in range(8)]
+    x0 = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
+    n = 64
+
+    def chain():
+        x = x0
+        for i in range(n):
+            x = gemv(x, ws[i % len(ws)])
+        return x
+
+    res = {}
+    try:
+        for use_pdl in (False, True):
+            pdl.set_enabled(use_pdl)
+            eager = statistics.median(cuda_time(chain, 10, 3)) / n
+            graph = graph_time([chain]) / n
+            tag = "pdl" if use_pdl else "nopdl"
+            res[tag] = {"eager_us": eager * 1e6, "graph_us": graph * 1e6, "graph_Bps": ws[0].nbytes / graph}
+            log(f"pdl_probe {tag}: eager {eager * 1e6:.2f} us, graph {graph * 1e6:.2f} us per 4096x4096 GEMV "
+                f"({ws[0].nbytes / graph / 1e12:.2f} TB/s)")
+    finally:
+        pdl.set_enabled(None)
+    RESULT["pdl_probe"] = res
+
+
 @section("attn_sweep")
 def bench_attn_sweep(name: str):
     """Decode attention alone (1k context) over launch configs, timed in CUDA graphs with the KV of several
@@ -949,6 +983,8 @@ def main(argv=None):
         ceilings(spec["dtype"])
     if "correctness" in only:
         bench_correctness()
+    if "pdl_probe" in only:
+        bench_pdl_probe()
     if "attn_sweep" in only:
         bench_attn_sweep(name)
     if "gemv_sweep" in only:
