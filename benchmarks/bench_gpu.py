@@ -310,8 +310,8 @@ def bench_runner(eng, mb: dict, name: str):
 
     # Each (batch, linears, PDL) variant; at batch 1 the fastest becomes "decode_bs1" and stays configured.
     fused_ok = mr.executor is not None
-    variants = [(1, m, p) for m, p in (("fused", True), ("fused", False), ("on", True), ("off", True),
-                                       ("off", False)) if fused_ok or m == "off"]
+    variants = [(1, m, p) for m, p in (("fused", True), ("fused", False), ("fused_rope", False), ("on", False),
+                                       ("off", True), ("off", False)) if fused_ok or m == "off"]
     variants += [(64, "off", False), (64, "off", True)]
     for bs, gemv_mode, use_pdl in variants:
         ctx = 1024

@@ -228,6 +228,24 @@ def check_fused_ops(device, dtype, T=37, hidden=320, inter=448, num_heads=8, num
         out = gemv(h, w_dn, residual=r2)
         errs["gemv_residual.same_tensor"] = 0.0 if out.data_ptr() == r2.data_ptr() else float("inf")
         errs["gemv_residual"] = rel_err(r2, res.double() + h.double() @ w_dn.double().T)
+        # qkv GEMV with rotary + KV store folded in vs the GEMV then rope_and_store_kv (one token).
+        from sglang_backend.runtime.layers.attention.triton_ops.gemv import RopeStore
+
+        w_qkv = (torch.randn((H + 2 * Hkv) * D, hidden, generator=gen) / hidden**0.5).to(device, dtype)
+        b_qkv = torch.randn((H + 2 * Hkv) * D, generator=gen).to(device, dtype)
+        pos1 = torch.tensor([int(torch.randint(0, 512, (1,), generator=gen))], device=device)
+        loc1 = torch.tensor([int(torch.randint(1, T + 10, (1,), generator=gen))], device=device)
+        for bias in (None, b_qkv):
+            ref_qkv = gemv(res, w_qkv, bias, norm_weight=norm.weight, eps=1e-5)
+            k_ref, v_ref = torch.zeros_like(k_buf), torch.zeros_like(v_buf)
+            fused_ops.rope_and_store_kv(ref_qkv, pos1, cos_sin, H, Hkv, D, loc1, k_ref, v_ref)
+            k_out, v_out = torch.full_like(k_buf, float("nan")), torch.full_like(v_buf, float("nan"))
+            out = gemv(res, w_qkv, bias, norm_weight=norm.weight, eps=1e-5,
+                       rope=RopeStore(pos1, cos_sin, H, Hkv, D, loc1, k_out, v_out))
+            tag = "gemv_rope" + ("_bias" if bias is not None else "")
+            errs[tag] = rel_err(out, ref_qkv)
+            errs[tag + ".k"] = rel_err(k_out[loc1], k_ref[loc1])
+            errs[tag + ".v"] = rel_err(v_out[loc1], v_ref[loc1])
     return errs
 
 

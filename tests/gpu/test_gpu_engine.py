@@ -97,15 +97,16 @@ def test_triton_matches_torch_native(peaked_model_dir, dtype):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_batch1_gemv_modes_and_pdl_match_torch_native(peaked_model_dir, dtype, monkeypatch):
-    """Decode at batch 1 (one request at a time) through cuBLAS, the Triton GEMV and the fused GEMV (norm
-    prologue, SiLU-mul / residual epilogues), each with and without programmatic dependent launch."""
+    """Decode at batch 1 (one request at a time) through cuBLAS, the Triton GEMV, the fused GEMV (norm
+    prologue, SiLU-mul / residual epilogues) and the fused GEMV with rotary + KV store, each with and without
+    programmatic dependent launch."""
     from sglang_backend.runtime.layers.attention.triton_ops import pdl
 
     prompts = _prompts()[:1]  # a 305-token prompt: 32 decode steps at batch 1
     ref = [_run(peaked_model_dir, dtype, [p], attention_backend="torch_native")[0][0] for p in prompts]
     ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
     try:
-        for mode in ("off", "on", "fused"):
+        for mode in ("off", "on", "fused", "fused_rope"):
             for use_pdl in (True, False):
                 monkeypatch.setenv("SGLANG_BACKEND_GEMV", mode)
                 pdl.set_enabled(use_pdl)

@@ -12,7 +12,9 @@ One-token batches (decode at batch 1) can run their linears through the Triton G
 * ``"off"``: cuBLAS, as every other batch;
 * ``"on"``: the GEMV in place of cuBLAS, norms and SiLU-mul as separate kernels;
 * ``"fused"``: the GEMV also does the RMSNorm (prologue), the SiLU-mul (epilogue of gate_up) and the residual
-  add (epilogue of o_proj and down_proj): 7 kernels per layer instead of 9, the same roundings.
+  add (epilogue of o_proj and down_proj): 7 kernels per layer instead of 9, the same roundings;
+* ``"fused_rope"``: "fused" plus rotary and the KV store in the qkv GEMV's epilogue (6 kernels per layer; when
+  the attention backend takes the KV store out of its own hands). Experimental: not yet timed on a GPU.
 
 Chosen with SGLANG_BACKEND_GEMV (off/on/fused); the default is "fused" on Hopper and newer, where it measured
 fastest (benchmarks/bench_gpu.py ``runner`` times all three), else "off". Tensor parallelism forces "off"
@@ -26,9 +28,9 @@ import os
 import torch
 
 from .fused_ops import fused_add_rmsnorm, rmsnorm, rope_and_store_kv, silu_and_mul
-from .gemv import gemv
+from .gemv import RopeStore, gemv
 
-GEMV_MODES = ("off", "on", "fused")
+GEMV_MODES = ("off", "on", "fused", "fused_rope")
 
 
 def default_gemv_mode(device) -> str:
@@ -91,7 +93,7 @@ class FusedLlamaExecutor:
 
         residual = inner.embed_tokens(input_ids)
         layers = inner.layers
-        if self.gemv_mode == "fused" and input_ids.shape[0] == 1:
+        if self.gemv_mode.startswith("fused") and input_ids.shape[0] == 1:
             return self._one_token(residual, positions, fb, fused_store)
         x = rmsnorm(residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         mlp_out = None
@@ -129,13 +131,15 @@ class FusedLlamaExecutor:
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norm = layer.input_layernorm
-            qkv = gemv(residual, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps)
-            if fused_store:
-                lid = attn.attn.layer_id
-                rope_and_store_kv(qkv, positions, self.cos_sin, H, Hkv, D, fb.out_cache_loc,
-                                  pool.get_key_buffer(lid), pool.get_value_buffer(lid))
-            else:
-                rope_and_store_kv(qkv, positions, self.cos_sin, H, Hkv, D)
+            lid = attn.attn.layer_id
+            store = (fb.out_cache_loc, pool.get_key_buffer(lid), pool.get_value_buffer(lid)) if fused_store else ()
+            rope = None
+            if fused_store and self.gemv_mode == "fused_rope":  # rotary + KV store in the GEMV's epilogue
+                rope = RopeStore(positions, self.cos_sin, H, Hkv, D, *store)
+            qkv = gemv(residual, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps,
+                       rope=rope)
+            if rope is None:
+                rope_and_store_kv(qkv, positions, self.cos_sin, H, Hkv, D, *store)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             if fused_store:
                 o = backend.forward(q, k, v, attn.attn, fb, save_kv=False)
