@@ -47,7 +47,7 @@ def enabled(t: torch.Tensor) -> bool:
 def launch_args(t: torch.Tensor) -> dict:
     """Keyword arguments for launching a kernel (with a ``PDL: tl.constexpr`` parameter) on ``t``'s device."""
     on = enabled(t)
-    return {"PDL": on, "launch_pdl": on}
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}  # (older Triton lacks launch_pdl)
 
 
 def set_enabled(value: bool | None) -> None:
