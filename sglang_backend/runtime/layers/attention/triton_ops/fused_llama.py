@@ -13,11 +13,11 @@ One-token batches (decode at batch 1) can run their linears through the Triton G
 * ``"on"``: the GEMV in place of cuBLAS, norms and SiLU-mul as separate kernels;
 * ``"fused"``: the GEMV also does the RMSNorm (prologue), the SiLU-mul (epilogue of gate_up) and the residual
   add (epilogue of o_proj and down_proj): 7 kernels per layer instead of 9, the same roundings;
-* ``"fused_rope"``: "fused" plus rotary and the KV store in the qkv GEMV's epilogue (6 kernels per layer; when
-  the attention backend takes the KV store out of its own hands). Experimental: not yet timed on a GPU.
+* ``"fused_rope"``: "fused" plus rotary and the KV store in the qkv GEMV's epilogue (6 kernels per layer, with
+  backends that let the model store KV). Experimental: checked under the Triton interpreter, not yet on a GPU.
 
-Chosen with SGLANG_BACKEND_GEMV (off/on/fused); the default is "fused" on Hopper and newer, where it measured
-fastest (benchmarks/bench_gpu.py ``runner`` times all three), else "off". Tensor parallelism forces "off"
+Chosen with SGLANG_BACKEND_GEMV (off/on/fused/fused_rope); the default is "fused" on Hopper and newer, where it
+measured fastest on an H100 (benchmarks/bench_gpu.py ``runner`` times every mode), else "off". Tensor parallelism forces "off"
 (the GEMV reads the weights directly and would skip the row-parallel all-reduce).
 """
 
