@@ -123,13 +123,27 @@ def encode_step(fb: ForwardBatch, writes: torch.Tensor) -> tuple[torch.Tensor, t
     inline = len(host) <= INLINE_INTS
     if inline:
         header[_META : _META + len(host)] = host
-    payload = torch.cat([t.reshape(-1).to(torch.int64) for t in _device_fields(fb)])
+    parts = []
+    for t in _device_fields(fb):
+        t = t.reshape(-1).to(torch.int64)
+        parts.append(t)
+        if len(t) % 2:  # every field starts 16-byte aligned (Triton specialises kernels on pointer alignment)
+            parts.append(t.new_zeros(1))
+    payload = torch.cat(parts)
     return header, (torch.empty(0, dtype=torch.int64) if inline else host), payload
 
 
-def payload_len(header: torch.Tensor) -> int:
+def _padded(n: int) -> int:
+    return n + n % 2
+
+
+def _field_sizes(header: torch.Tensor) -> list[int]:
     tokens, bs, logits = header[H_TOKENS : H_LOGITS + 1].tolist()
-    return 3 * tokens + 2 * bs + max(logits, 0)
+    return [tokens, tokens, tokens, bs, bs] + ([logits] if logits >= 0 else [])
+
+
+def payload_len(header: torch.Tensor) -> int:
+    return sum(_padded(n) for n in _field_sizes(header))
 
 
 def decode_step(header: torch.Tensor, overflow: torch.Tensor, payload: torch.Tensor,
@@ -138,8 +152,8 @@ def decode_step(header: torch.Tensor, overflow: torch.Tensor, payload: torch.Ten
     (_, mode, tokens, bs, logits, _, n_prefix, n_extend, n_writes, n_host) = header[:_META].tolist()
     host = header[_META : _META + n_host] if n_host <= INLINE_INTS else overflow
     seq_lens_cpu, prefix_lens, extend_lens, writes = host.split([bs, n_prefix, n_extend, n_writes])
-    sizes = [tokens, tokens, tokens, bs, bs] + ([logits] if logits >= 0 else [])
-    fields = payload.split(sizes)
+    sizes = _field_sizes(header)
+    fields = [f[:n] for f, n in zip(payload.split([_padded(n) for n in sizes]), sizes)]
     fb = ForwardBatch(_MODES[mode], *fields[:5], seq_lens_cpu=seq_lens_cpu.tolist(),
                       extend_prefix_lens_cpu=prefix_lens.tolist(), extend_seq_lens_cpu=extend_lens.tolist(),
                       logits_indices=fields[5] if logits >= 0 else None, mm_inputs=mm_inputs)

@@ -122,9 +122,12 @@ class OverlapDecoder:
                 input_ids[to_device_async(torch.tensor(lag), dev)] = \
                     prev.next_ids[to_device_async(torch.tensor([src[k] for k in lag]), dev)]
         seq_lens = positions + 1
-        # One pinned copy for the batch's index tensors.
-        packed = torch.stack([positions, locs.to(torch.int64), rows, seq_lens, torch.arange(len(reqs))])
-        d_positions, d_locs, d_rows, d_seq_lens, d_rows_idx = to_device_async(packed, dev).unbind(0)
+        # One pinned copy for the batch's index tensors; rows padded to 16 bytes (Triton specialises kernels on
+        # pointer alignment: an odd batch would otherwise hand the kernels differently aligned views).
+        n = len(reqs)
+        packed = torch.zeros((5, n + n % 2), dtype=torch.int64)
+        packed[:, :n] = torch.stack([positions, locs.to(torch.int64), rows, seq_lens, torch.arange(n)])
+        d_positions, d_locs, d_rows, d_seq_lens, d_rows_idx = to_device_async(packed, dev)[:, :n].unbind(0)
         fb = ForwardBatch(ForwardMode.DECODE, input_ids, d_positions, d_locs, d_rows, d_seq_lens, seq_lens.tolist(),
                           logits_indices=d_rows_idx)
         t0 = time.perf_counter()

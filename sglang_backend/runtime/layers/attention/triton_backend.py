@@ -103,8 +103,14 @@ class TritonAttnBackend(AttentionBackend):
         for e in extend:
             starts.append(acc)
             acc += e
-        meta = torch.tensor([prefix, extend, starts], dtype=torch.int32).to(self.device, non_blocking=True)
-        self.forward_metadata = (meta[0], meta[1], meta[2], max(extend) if extend else 0)
+        # Rows padded to 16 bytes: Triton specialises a kernel on whether each pointer is 16-byte aligned, so row
+        # views at batch-size-dependent offsets would compile a new extend kernel mid-run for some batch sizes.
+        n = len(extend)
+        width = -(-n // 4) * 4
+        meta = torch.zeros((3, width), dtype=torch.int32)
+        meta[:, :n] = torch.tensor([prefix, extend, starts], dtype=torch.int32)
+        meta = meta.to(self.device, non_blocking=True)
+        self.forward_metadata = (meta[0, :n], meta[1, :n], meta[2, :n], max(extend) if extend else 0)
 
     def init_forward_metadata_capture(self, bs: int) -> None:
         """Decode metadata for a CUDA graph of (padded) batch size bs; the shared prefix length is a device
