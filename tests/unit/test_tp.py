@@ -8,9 +8,9 @@ by shard; and tied embeddings with one KV head (replicated on both ranks), a voc
 (padded vocab shards), dummy weights (drawn at full shape, then sharded) and 4-token KV pages (decode then
 writes the table row by row).
 
-The step transport (header over the CPU group, one payload over the device group) round-trips every
-ForwardBatch field and every kind of table write; and an idle follower outlives the device group's timeout
-(it waits for headers on the CPU group, whose timeout is a year).
+The step transport (header down the follower's stdin pipe, one payload over the device group) round-trips
+every ForwardBatch field and every kind of table write; and an idle follower outlives the device group's
+timeout (it waits for headers on its pipe, which has none).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def test_step_round_trip(case):
 
 
 def test_follower_survives_idle(tiny_gqa_dir, monkeypatch):
-    """Idle longer than the device group's timeout: the follower waits on the CPU group and serves again."""
+    """Idle longer than the device group's timeout: the follower waits on its pipe and serves again."""
     monkeypatch.setenv("SGLANG_BACKEND_TP_TIMEOUT_S", "3")  # the follower inherits it
     sp = {"max_new_tokens": 6, "temperature": 0}
     eng = make_engine(tiny_gqa_dir, tp_size=2, max_total_tokens=1024)

@@ -8,11 +8,11 @@ Two groups when tp_size > 1:
 * the *device group* (NCCL on GPUs, gloo on CPU) carries the activations (all-reduce after row-parallel
   layers, all-gather of vocab-parallel logits) and each step's index tensors (``broadcast_device``: on the
   GPU an NCCL broadcast queued on the stream, so rank 0 never waits for it on the host);
-* the *CPU group* (gloo) carries the small fixed-size header rank 0 sends before each forward
-  (``broadcast_cpu``) and the rare pickled extras (``broadcast_object``). Its timeout is a year: an idle
-  follower waits there for the next header, however long the server idles. Device-group ops are only issued
-  once a header has arrived, so their timeout (``SGLANG_BACKEND_TP_TIMEOUT_S``, default 600 s) bounds how
-  long a rank waits for the others inside a forward, never an idle period.
+* the *CPU group* (gloo) carries the rare pickled extras of a step (``broadcast_object``: multimodal inputs)
+  and start-up agreements (``all_reduce_min``). Each step's header goes down the followers' stdin pipes
+  (tp_worker.py), where an idle follower waits with no timeout; group ops are only issued once a header has
+  arrived, so the device group's timeout (``SGLANG_BACKEND_TP_TIMEOUT_S``, default 600 s) bounds how long a
+  rank waits for the others inside a forward, never an idle period.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ _DEVICE_GROUP = None
 _CPU_GROUP = None
 
 INIT_TIMEOUT = timedelta(minutes=10)  # joining the group (the other ranks import torch and build the model)
-CPU_GROUP_TIMEOUT = timedelta(days=365)  # a follower waiting for the next step header must never time out
 
 
 def _device_group_timeout() -> timedelta:
@@ -57,7 +56,7 @@ def init_tp(rank: int, size: int, init_method: str, device: str) -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     _RANK, _SIZE = rank, size
     _DEVICE_GROUP = dist.new_group(backend=backend, timeout=_device_group_timeout())
-    _CPU_GROUP = dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)
+    _CPU_GROUP = dist.new_group(backend="gloo", timeout=INIT_TIMEOUT)  # start-up agreements wait for model loads
 
 
 def destroy_tp() -> None:
@@ -82,12 +81,6 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((_SIZE * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x, group=_DEVICE_GROUP)  # ranks stacked along dim 0
     return torch.cat(out.chunk(_SIZE, dim=0), dim=-1)
-
-
-def broadcast_cpu(t: torch.Tensor) -> torch.Tensor:
-    """Rank 0's host tensor ``t`` into every rank's ``t`` (same shape and dtype), over the gloo CPU group."""
-    dist.broadcast(t, src=0, group=_CPU_GROUP)
-    return t
 
 
 def broadcast_device(t: torch.Tensor) -> torch.Tensor:
