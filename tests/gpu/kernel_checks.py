@@ -61,6 +61,16 @@ def ref_attention(q, keys, values, q_positions, scale):
     return torch.einsum("hml,lhd->mhd", p, v)
 
 
+def _worst_decode_err(q, o, k_buf, v_buf, req_to_token, rows, seq_lens, scale) -> float:
+    """Each request's output vs the float64 reference over its own KV slots; the worst relative error."""
+    worst = 0.0
+    for i, n in enumerate(seq_lens):
+        slots = req_to_token[rows[i], :n]
+        ref = ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], torch.tensor([n - 1]), scale)
+        worst = max(worst, rel_err(o[i : i + 1], ref))
+    return worst
+
+
 def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num_splits, seed=0):
     from sglang_backend.runtime.layers.attention.triton_ops.decode_attention import decode_attention_fwd
 
@@ -79,12 +89,7 @@ def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num
     mid_lse = torch.full((bs, num_heads, num_splits), float("nan"), dtype=torch.float32, device=device)
     scale = head_dim ** -0.5
     decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale)
-    worst = 0.0
-    for i, n in enumerate(seq_lens):
-        slots = req_to_token[rows[i], :n]
-        ref = ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], torch.tensor([n - 1]), scale)
-        worst = max(worst, rel_err(o[i : i + 1], ref))
-    return worst
+    return _worst_decode_err(q, o, k_buf, v_buf, req_to_token, rows, seq_lens, scale)
 
 
 def check_decode_cascade(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, shared_prefix, num_splits,
@@ -114,12 +119,7 @@ def check_decode_cascade(device, dtype, num_heads, num_kv_heads, head_dim, seq_l
     scale = head_dim ** -0.5
     decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale,
                          prefix_len=prefix_len, prefix_splits=prefix_splits)
-    worst = 0.0
-    for i, n in enumerate(seq_lens):
-        slots = req_to_token[rows[i], :n]
-        ref = ref_attention(q[i : i + 1], k_buf[slots], v_buf[slots], torch.tensor([n - 1]), scale)
-        worst = max(worst, rel_err(o[i : i + 1], ref))
-    return worst
+    return _worst_decode_err(q, o, k_buf, v_buf, req_to_token, rows, seq_lens, scale)
 
 
 def check_extend(device, dtype, num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, shared_prefix=0, seed=0):

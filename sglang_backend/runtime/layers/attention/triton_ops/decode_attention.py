@@ -88,6 +88,30 @@ def _decode_stage1_mha(
 
 
 @triton.jit
+def _attend_tile(q, K, V, slot, kvh, mask_n, offs_d, mask_d, m_i, l_i, acc,
+                 stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, IEEE: tl.constexpr):
+    """One KV tile of an online-softmax attention for a block of query rows (``tl.dot``): the tile's keys
+    and values are read from the pool slots ``slot`` of KV head ``kvh``; returns the updated (max, sum, acc)."""
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * sm_scale_log2
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_stage1_gqa(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
@@ -129,25 +153,8 @@ def _decode_stage1_gqa(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = qk * sm_scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, K, V, slot, kvh, mask_n, offs_d, mask_d, m_i, l_i, acc,
+                                     stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, IEEE)
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -197,25 +204,8 @@ def _decode_prefix_stage1(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = qk * sm_scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, K, V, slot, kvh, mask_n, offs_d, mask_d, m_i, l_i, acc,
+                                     stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, IEEE)
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
