@@ -299,23 +299,29 @@ def bench_runner(eng, mb: dict, name: str):
     from sglang_backend.runtime.layers.attention.triton_ops import pdl
     from sglang_backend.runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 
-    def configure(gemv_mode, use_pdl):
-        """Batch-1 linears (cuBLAS / Triton GEMV / fused GEMV) and PDL; the graphs are recaptured."""
+    from sglang_backend.runtime.layers.attention import triton_backend as tb
+
+    def configure(gemv_mode, use_pdl, fused_merge=tb.FUSED_MERGE):
+        """Batch-1 linears (cuBLAS / Triton GEMV / fused GEMV), PDL, and the decode attention's merge (folded
+        into stage 1 or a stage-2 kernel); the graphs are recaptured."""
         if mr.executor is not None:
             mr.executor.gemv_mode = gemv_mode
+        if hasattr(mr.attn_backend, "fused_merge"):
+            mr.attn_backend.fused_merge = fused_merge
         pdl.set_enabled(use_pdl)
         mr.graph_runner = None
         gc.collect()
         mr.graph_runner = CudaGraphRunner(mr)
 
-    # Each (batch, linears, PDL) variant; at batch 1 the fastest becomes "decode_bs1" and stays configured.
+    # Each (batch, linears, PDL, fused merge) variant; the product defaults become "decode_bs1"/"decode_bs64".
     fused_ok = mr.executor is not None
-    variants = [(1, m, p) for m, p in (("fused", True), ("fused", False), ("fused_rope", False), ("on", False),
-                                       ("off", True), ("off", False)) if fused_ok or m == "off"]
-    variants += [(64, "off", False), (64, "off", True)]
-    for bs, gemv_mode, use_pdl in variants:
+    variants = [(1, m, p, f) for m, p, f in (("fused_rope", False, True), ("fused_rope", False, False),
+                                             ("fused_rope", True, True), ("fused", False, True), ("on", False, True),
+                                             ("off", False, True)) if fused_ok or m == "off"]
+    variants += [(64, "off", False, True), (64, "off", False, False), (64, "off", True, True)]
+    for bs, gemv_mode, use_pdl, fused_merge in variants:
         ctx = 1024
-        configure(gemv_mode, use_pdl)
+        configure(gemv_mode, use_pdl, fused_merge)
         rows, slots, per = _alloc_requests(mr, [ctx] * bs)
         fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, V, (bs,), device="cuda"),
                           torch.full((bs,), ctx - 1, device="cuda"), torch.stack([p[-1] for p in per]),
@@ -336,13 +342,13 @@ def bench_runner(eng, mb: dict, name: str):
         floor_bytes = mb["weight_bytes"] + bs * ctx * mb["kv_bytes_per_token"]
         floor = floor_bytes / bw if bw else None
         step = statistics.median(pipelined)
-        key = f"decode_bs{bs}_{gemv_mode}_{'pdl' if use_pdl else 'nopdl'}"
-        res[key] = {"gemv_mode": gemv_mode, "pdl": use_pdl, "ctx": ctx, "step_s": step,
+        key = f"decode_bs{bs}_{gemv_mode}_{'pdl' if use_pdl else 'nopdl'}{'' if fused_merge else '_stage2'}"
+        res[key] = {"gemv_mode": gemv_mode, "pdl": use_pdl, "fused_merge": fused_merge, "ctx": ctx, "step_s": step,
                     "step_synced_s": statistics.median(t_sync), "floor_bytes": floor_bytes, "floor_s": floor,
                     "ratio_to_floor": step / floor if floor else None, "achieved_Bps": floor_bytes / step}
         log(f"decode bs={bs} ctx={ctx} [{key}]: {step * 1e3:.3f} ms (synced {statistics.median(t_sync) * 1e3:.3f} ms); "
             f"floor {floor * 1e3 if floor else float('nan'):.3f} ms; ratio {step / floor if floor else float('nan'):.3f}")
-        if not use_pdl and (gemv_mode == "fused" or bs == 64):  # the defaults without graphs, for the record
+        if not use_pdl and fused_merge and gemv_mode in ("fused_rope", "off"):  # without graphs, for the record
             gr = mr.graph_runner
             mr.graph_runner = None
             try:
@@ -359,7 +365,8 @@ def bench_runner(eng, mb: dict, name: str):
     default_pdl = pdl.enabled(torch.empty(0, device="cuda"))
     for bs in (1, 64):
         best = min((k for k in res if k.startswith(f"decode_bs{bs}_")), key=lambda k: res[k]["step_s"])
-        key = f"decode_bs{bs}_{default_mode if bs == 1 else 'off'}_{'pdl' if default_pdl else 'nopdl'}"
+        key = (f"decode_bs{bs}_{default_mode if bs == 1 else 'off'}_{'pdl' if default_pdl else 'nopdl'}"
+               + ("" if tb.FUSED_MERGE else "_stage2"))
         res[f"decode_bs{bs}"] = dict(res[key], variant=key, fastest_variant=best)
         log(f"decode bs={bs}: default {key} {res[key]['step_s'] * 1e3:.3f} ms; fastest {best}")
     configure(default_mode, None)
@@ -408,13 +415,18 @@ def bench_gemv_step_sweep(eng, mb: dict):
     eng.flush_cache()
     _random_kv(mr)
     mode = mr.executor.gemv_mode
-    mr.executor.gemv_mode = "fused"
+    if not mode.startswith("fused"):
+        mr.executor.gemv_mode = "fused_rope"
     layer = mr.executor.model.model.layers[0]
-    shapes = {"qkv": (layer.self_attn.qkv_proj, False), "o": (layer.self_attn.o_proj, False),
-              "gate_up": (layer.mlp.gate_up_proj, True), "down": (layer.mlp.down_proj, False)}
-    shapes = {k: (m.weight.shape[0], m.weight.shape[1], silu) for k, (m, silu) in shapes.items()}
-    candidates = [[16, 256, 4, 3], [8, 512, 4, 3], [16, 512, 4, 2], [16, 512, 8, 3], [32, 256, 8, 3],
-                  [32, 128, 4, 4], [8, 1024, 8, 2], [4, 1024, 4, 3], [8, 256, 4, 4]]
+    shapes = {"qkv": (layer.self_attn.qkv_proj.weight, False), "o": (layer.self_attn.o_proj.weight, False),
+              "gate_up": (layer.mlp.gate_up_proj.weight, True), "down": (layer.mlp.down_proj.weight, False),
+              "lm_head": (mr.executor.model.lm_head_weight, False)}
+    shapes = {k: (w.shape[0], w.shape[1], silu) for k, (w, silu) in shapes.items()}
+    # Around the last sweep's winner ([4, 1024, 4, 3], now the default; session 4 on an H100): fewer rows per
+    # program, longer K tiles, more warps or stages.
+    candidates = [[4, 1024, 4, 3], [2, 1024, 4, 3], [2, 2048, 4, 3], [1, 2048, 4, 3], [4, 2048, 8, 2],
+                  [4, 1024, 4, 4], [4, 1024, 8, 3], [4, 512, 4, 4], [4, 512, 2, 4], [2, 1024, 2, 4],
+                  [8, 1024, 4, 3], [8, 512, 4, 3], [16, 256, 4, 3]]
     ctx = 1024
     rows, slots, per = _alloc_requests(mr, [ctx])
     fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, mr.vocab_size, (1,), device="cuda"),
@@ -743,9 +755,11 @@ def bench_pdl_probe():
 
 @section("attn_sweep")
 def bench_attn_sweep(name: str):
-    """Decode attention alone (1k context) over launch configs, timed in CUDA graphs with the KV of several
-    layers rotated (so nothing is served from L2). The fastest small- and large-batch configs become the
-    defaults for the rest of the run."""
+    """Decode attention alone (1k context) over launch configs and split counts, timed in CUDA graphs with the
+    KV of several layers rotated (so nothing is served from L2), the merge of the splits folded into stage 1 as
+    the engine runs it. The fastest small- and large-batch configs become the defaults for the rest of the run,
+    and the fastest batch-1 split count sets how many stage-1 programs decode aims for."""
+    from sglang_backend.runtime.layers.attention import triton_backend as tb
     from sglang_backend.runtime.layers.attention.triton_ops import decode_attention as da
 
     cfg = MODELS[name]["config"]
@@ -755,10 +769,10 @@ def bench_attn_sweep(name: str):
     ctx = 1024
     res = []
     chosen = {}
+    counters = torch.zeros(64 * H, dtype=torch.int32, device="cuda")
     for bs, n_layers, splits_list, configs in (
-        (1, 8, (8, 16, 32), [(bn, w, st, hf) for bn in (32, 64, 128) for w in (4,) for st in (1, 2)
-                             for hf in (True, False)]),
-        (64, 2, (1, 2), [(bn, w, st, hf) for bn in (64, 128, 256) for w in (4, 8) for st in (1, 2)
+        (1, 8, (8, 16, 32, 64), [(bn, w, st, True) for bn in (16, 32, 64, 128) for w in (2, 4) for st in (1, 2)]),
+        (64, 2, (1, 2), [(bn, w, st, hf) for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4)
                          for hf in (True, False)]),
     ):
         n_slots = bs * ctx + 1
@@ -776,7 +790,8 @@ def bench_attn_sweep(name: str):
             for c in configs:
                 try:
                     fns = [(lambda k=k, v=v: da.decode_attention_fwd(q, k, v, o, r2t, rows, seq, mid_o, mid_lse,
-                                                                      splits, D**-0.5, c)) for k, v in kv]
+                                                                      splits, D**-0.5, c, merge_counters=counters))
+                           for k, v in kv]
                     t = graph_time(fns)
                 except Exception as e:  # noqa: BLE001 - a config may not compile (shared memory)
                     log(f"config {c} failed: {e!r}"[:200])
@@ -787,12 +802,15 @@ def bench_attn_sweep(name: str):
             log(f"attn bs={bs} splits={r['splits']} cfg={r['config']}: {r['time_s'] * 1e6:.1f} us "
                 f"{r['Bps'] / 1e12:.2f} TB/s")
         chosen["small" if bs == 1 else "large"] = best[0]["config"]
+        if bs == 1:  # the engine's split count at batch 1 becomes the winner's
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            tb.TARGET_PROGRAMS_PER_SM = best[0]["splits"] * (H if H == Hkv else Hkv) / sms
         del kv
         torch.cuda.empty_cache()
     table_ = da.MHA_CONFIG if H == Hkv else da.GQA_CONFIG
     table_.update(chosen)
-    log(f"decode attention configs now {table_}")
-    RESULT["attn_sweep"] = {"runs": res, "chosen": chosen}
+    log(f"decode attention configs now {table_}; TARGET_PROGRAMS_PER_SM = {tb.TARGET_PROGRAMS_PER_SM:.2f}")
+    RESULT["attn_sweep"] = {"runs": res, "chosen": chosen, "target_programs_per_sm": tb.TARGET_PROGRAMS_PER_SM}
 
 
 @section("gemv_sweep")

@@ -71,7 +71,10 @@ def _worst_decode_err(q, o, k_buf, v_buf, req_to_token, rows, seq_lens, scale) -
     return worst
 
 
-def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num_splits, seed=0):
+def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num_splits, seed=0,
+                 fused_merge=False):
+    """Split-KV decode vs the float64 reference; with ``fused_merge`` the merge runs inside stage 1 (split
+    counters), launched twice on the same counters, which must be left zero."""
     from sglang_backend.runtime.layers.attention.triton_ops.decode_attention import decode_attention_fwd
 
     gen = torch.Generator().manual_seed(seed)
@@ -88,7 +91,15 @@ def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num
     mid_o = torch.full((bs, num_heads, num_splits, head_dim), float("nan"), dtype=torch.float32, device=device)
     mid_lse = torch.full((bs, num_heads, num_splits), float("nan"), dtype=torch.float32, device=device)
     scale = head_dim ** -0.5
-    decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale)
+    if fused_merge:
+        counters = torch.zeros(bs * num_heads + 5, dtype=torch.int32, device=device)
+        for _ in range(2):  # the second launch finds the counters as the first left them
+            o.fill_(float("nan"))
+            decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale,
+                                 merge_counters=counters)
+            assert int(counters.abs().sum()) == 0, f"split counters not reset: {counters.tolist()}"
+    else:
+        decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale)
     return _worst_decode_err(q, o, k_buf, v_buf, req_to_token, rows, seq_lens, scale)
 
 

@@ -25,9 +25,11 @@ def test_decode_attention(dtype, shape):
     for trial in range(3):
         bs = rng.choice([1, 3, 9, 17])
         seq_lens = [rng.choice([1, rng.randint(2, 200), rng.randint(200, 3000)]) for _ in range(bs)]
-        splits = rng.choice([1, 4, 7, 16, 32])
-        err = check_decode("cuda", dtype, *shape, seq_lens, splits, seed=rng.randint(0, 1 << 30))
-        assert err < TOL[dtype], (seq_lens, splits, err)
+        splits = rng.choice([1, 4, 7, 16, 32, 64])
+        seed = rng.randint(0, 1 << 30)
+        for fused_merge in (False, True):  # separate stage 2; merge folded into stage 1
+            err = check_decode("cuda", dtype, *shape, seq_lens, splits, seed=seed, fused_merge=fused_merge)
+            assert err < TOL[dtype], (seq_lens, splits, fused_merge, err)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -66,6 +68,8 @@ def test_extend_shared_prefix(dtype):
 
 def test_fp32_kernels_exact():
     assert check_decode("cuda", torch.float32, 8, 2, 64, [5, 300, 1000], 8) < TOL[torch.float32]
+    assert check_decode("cuda", torch.float32, 8, 2, 64, [5, 300, 1000], 8, fused_merge=True) < TOL[torch.float32]
+    assert check_decode("cuda", torch.float32, 4, 4, 64, [5, 300], 1, fused_merge=True) < TOL[torch.float32]
     assert check_extend("cuda", torch.float32, 8, 2, 64, [0, 100], [77, 33]) < TOL[torch.float32]
     assert check_decode_cascade("cuda", torch.float32, 8, 2, 64, [300, 310, 1000], 299, 2, 4) < TOL[torch.float32]
 

@@ -207,8 +207,6 @@ class ModelRunner:
             lm = getattr(self.model, "language_model", self.model)  # LLaVA: its Llama LM takes the fused path
             if FusedLlamaExecutor is not None and FusedLlamaExecutor.supports(lm):
                 self.executor = FusedLlamaExecutor(lm, self.req_to_token_pool.max_context_len, self.device)
-                if self.server_args.tp_size > 1:
-                    self.executor.gemv_mode = "off"  # its GEMV calls the weights directly, skipping the TP collectives
         if not self.server_args.disable_cuda_graph and getattr(self.attn_backend, "supports_fused_kv_store", False):
             from .cuda_graph_runner import CudaGraphRunner
 

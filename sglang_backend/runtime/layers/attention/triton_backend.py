@@ -8,6 +8,8 @@ buffers allocated once, so a decode step can be captured in a CUDA graph (see cu
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ...models.llama import head_dim_of
@@ -16,7 +18,13 @@ from .triton_ops.decode_attention import decode_attention_fwd, num_prefix_progra
 from .triton_ops.extend_attention import extend_attention_fwd
 from .triton_ops.fused_ops import store_kv
 
-MAX_KV_SPLITS = 32
+MAX_KV_SPLITS = 64
+# Stage-1 programs per SM that decode aims for when it splits sequences (num_kv_splits); bench_gpu's attn_sweep
+# sets it from the fastest batch-1 split count it finds.
+TARGET_PROGRAMS_PER_SM = 4.0
+# Decode folds the merge of the splits into stage 1 (decode_attention.py: the last split to finish merges);
+# SGLANG_BACKEND_FUSED_MERGE=0 keeps the separate stage-2 kernel (the bench compares both).
+FUSED_MERGE = os.environ.get("SGLANG_BACKEND_FUSED_MERGE", "1") != "0"
 # Cascade decode (a prefix shared by the whole batch read once per tile, not once per request) from this batch
 # size up; below it the extra launch per layer costs more than the shared reads save.
 CASCADE_MIN_BS = 8
@@ -51,6 +59,9 @@ class TritonAttnBackend(AttentionBackend):
         rows = max(rows, MAX_KV_SPLITS)
         self.mid_o = torch.empty(rows * self.num_heads * self.head_dim, dtype=torch.float32, device=self.device)
         self.mid_lse = torch.empty(rows * self.num_heads, dtype=torch.float32, device=self.device)
+        # Per (request, head) split counters of the fused merge; every launch leaves them zero.
+        self.merge_counters = torch.zeros(max_bs * self.num_heads, dtype=torch.int32, device=self.device)
+        self.fused_merge = FUSED_MERGE
         self.decode_splits = 1
         self.prefix_splits = 0  # > 0: this decode batch runs in cascade mode
         self.prefix_len = torch.zeros(1, dtype=torch.int32, device=self.device)  # read by the kernels (graphs too)
@@ -58,7 +69,7 @@ class TritonAttnBackend(AttentionBackend):
         self.forward_metadata = None
 
     def _target_programs(self) -> int:
-        return 4 * self.num_sms
+        return int(TARGET_PROGRAMS_PER_SM * self.num_sms)
 
     def num_kv_splits(self, bs: int) -> int:
         """Splits along the sequence in decode so that bs * heads * splits fills the GPU (a constant per
@@ -152,5 +163,6 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty((bs, layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         decode_attention_fwd(qv, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
                              device_table(fb.req_to_token_pool), fb.req_pool_indices, fb.seq_lens, mid_o, mid_lse,
-                             splits, layer.scaling, prefix_len=self.prefix_len, prefix_splits=prefix_splits)
+                             splits, layer.scaling, prefix_len=self.prefix_len, prefix_splits=prefix_splits,
+                             merge_counters=self.merge_counters if self.fused_merge else None)
         return o.view(bs, layer.num_heads * layer.head_dim)

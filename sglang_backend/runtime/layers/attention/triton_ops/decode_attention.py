@@ -9,7 +9,9 @@ Layout (same as the torch_native reference):
 
 Stage 1 (grid ``bs x heads x splits``) lets each program attend to one contiguous split of the sequence and
 write its normalised partial output and log-sum-exp (base 2) to fp32 scratch buffers; stage 2 merges the
-splits. The number of splits is a compile-time constant chosen from the batch size only, so one launch shape
+splits. With ``merge_counters`` (outside cascade mode) stage 2 is folded into stage 1: each program counts
+itself in for its (request, head) with an atomic, and the last one to arrive merges the splits, with the same
+code and roundings as stage 2; one split alone writes the output directly. That is one kernel per layer fewer. The number of splits is a compile-time constant chosen from the batch size only, so one launch shape
 serves every sequence length: that is what makes the decode step capturable in a CUDA graph. Empty splits
 (short sequences) write a zero output with lse = -inf, which stage 2 weights by zero.
 
@@ -31,12 +33,13 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_stage1_mha(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse, O, Counters,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, stride_cb,
     sm_scale_log2,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FUSE_MERGE: tl.constexpr, HEAD_FASTEST: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     if HEAD_FASTEST:  # programs launched together read neighbouring heads of the same tokens
@@ -83,8 +86,10 @@ def _decode_stage1_mha(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(MidO + b * stride_mb + h * stride_mh + s * stride_ms + offs_d, out, mask=mask_d)
-    tl.store(MidLse + b * stride_lb + h * stride_lh + s, lse)
+    one = tl.arange(0, 1)  # the shared epilogue takes blocks of heads: this program's is one head
+    _finish_split(out[None, :], lse + tl.zeros([1], dtype=tl.float32), MidO, MidLse, O, Counters + b * stride_cb + h,
+                  b, h, one, one < 1, offs_d, mask_d, s, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                  stride_ob, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, 1, FUSE_MERGE)
 
 
 @triton.jit
@@ -113,13 +118,13 @@ def _attend_tile(q, K, V, slot, kvh, mask_n, offs_d, mask_d, m_i, l_i, acc,
 
 @triton.jit
 def _decode_stage1_gqa(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse, O, Counters,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, stride_cb,
     sm_scale_log2,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FUSE_MERGE: tl.constexpr,
+    IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     if HEAD_FASTEST:
@@ -159,9 +164,9 @@ def _decode_stage1_gqa(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + s * stride_ms + offs_d[None, :], out,
-             mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(MidLse + b * stride_lb + heads * stride_lh + s, lse, mask=mask_h)
+    _finish_split(out, lse, MidO, MidLse, O, Counters + b * stride_cb + kvh, b, kvh * KV_GROUP, offs_h, mask_h,
+                  offs_d, mask_d, s, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                  HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, KV_GROUP, FUSE_MERGE)
 
 
 @triton.jit
@@ -217,6 +222,55 @@ def _decode_prefix_stage1(
 
 
 @triton.jit
+def _merge_splits(MidO, MidLse, O, b, h, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                  CACHE: tl.constexpr):
+    """Output of request b, head h from its splits' partial outputs and log-sum-exps."""
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"),
+                  cache_modifier=CACHE)
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)  # the split holding the max has weight 1, empty splits 0
+    part = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                   mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=CACHE)
+    part = tl.where(w[:, None] > 0, part, 0.0)
+    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _finish_split(out, lse, MidO, MidLse, O, Counter, b, h0, offs_h, mask_h, offs_d, mask_d, s,
+                  stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                  GROUP: tl.constexpr, FUSE_MERGE: tl.constexpr):
+    """Stores the result of a stage-1 program for query heads h0 + offs_h (``out`` [BLOCK_H, BLOCK_D] fp32,
+    ``lse`` [BLOCK_H]) of request b, split s: the output itself when the merge is fused and there is one split,
+    else the partials; with FUSE_MERGE the last of the NUM_SPLITS programs of (b, h0) to finish (counted at
+    ``Counter``, this program's counter) then merges heads h0 .. h0 + GROUP - 1."""
+    heads = h0 + offs_h
+    mask = mask_h[:, None] & mask_d[None, :]
+    if FUSE_MERGE and NUM_SPLITS == 1:  # stage 2 of one split is the identity (weight 1, sum 1)
+        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=mask)
+    else:
+        tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + s * stride_ms + offs_d[None, :], out, mask=mask)
+        tl.store(MidLse + b * stride_lb + heads * stride_lh + s, lse, mask=mask_h)
+        if FUSE_MERGE:
+            # A scalar atomic is lowered as a CTA barrier, then one thread's acq_rel atomic at gpu scope: every
+            # thread's partial stores above are released with the count, and the last program reads them after
+            # acquiring it (from L2: .cg).
+            ticket = tl.atomic_add(Counter, 1, sem="acq_rel")
+            if ticket == NUM_SPLITS - 1:
+                tl.store(Counter, 0)  # ready for the next launch (CUDA graph replays reuse the counters)
+                for i in tl.static_range(GROUP):
+                    _merge_splits(MidO, MidLse, O, b, h0 + i, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                                  stride_ob, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, ".cg")
+
+
+@triton.jit
 def _decode_stage2(
     MidO, MidLse, O,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -224,20 +278,8 @@ def _decode_stage2(
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)  # the split holding the max has weight 1, empty splits 0
-    part = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    part = tl.where(w[:, None] > 0, part, 0.0)
-    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+    _merge_splits(MidO, MidLse, O, tl.program_id(0), tl.program_id(1), stride_mb, stride_mh, stride_ms, stride_lb,
+                  stride_lh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, "")
 
 
 # Launch parameters of stage 1, (BLOCK_N, num_warps, num_stages, head_fastest), for small batches (the
@@ -262,14 +304,17 @@ def num_prefix_programs_per_split(bs: int, num_heads: int, num_kv_heads: int) ->
 
 def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                          num_splits: int, sm_scale: float, config: tuple | None = None,
-                         prefix_len=None, prefix_splits: int = 0) -> None:
+                         prefix_len=None, prefix_splits: int = 0, merge_counters=None) -> None:
     """q, o: [bs, H, D]; k_buf, v_buf: [slots, Hkv, D]; mid_o: >= [bs, H, num_splits + prefix_splits, D] fp32
     and mid_lse: >= [bs, H, num_splits + prefix_splits] fp32 scratch (any leading layout given by their strides).
 
     Cascade mode (``prefix_splits > 0``): ``prefix_len`` is a 1-element device tensor P such that the first P
     entries of every request's ``req_to_token`` row are the same slots and P < every seq_len. The shared P
     tokens are attended once per tile for the whole batch, the rest per request; P == 0 is valid (no sharing).
-    P lives on the device so a CUDA graph captured once serves every step."""
+    P lives on the device so a CUDA graph captured once serves every step.
+
+    ``merge_counters``: int32 zeros, >= bs * num_heads, owned by the caller and left zero by every launch; with
+    them (and outside cascade mode) stage 2 is folded into stage 1 (see the module docstring)."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -282,9 +327,13 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
     ieee = q.dtype == torch.float32
     strides = (q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
                req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-               mid_lse.stride(0), mid_lse.stride(1), scale_log2)
+               mid_lse.stride(0), mid_lse.stride(1))
+    fuse_merge = merge_counters is not None and not has_prefix
+    if fuse_merge:
+        assert merge_counters.dtype == torch.int32 and merge_counters.numel() >= bs * num_heads
+    block_s = triton.next_power_of_2(num_splits)
     common = (q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, prefix_len if has_prefix else seq_lens,
-              mid_o, mid_lse) + strides
+              mid_o, mid_lse, o, merge_counters if fuse_merge else seq_lens) + strides
     size = "large" if bs >= LARGE_BATCH else "small"
     launch = pdl.launch_args(q)
     if group == 1:
@@ -293,7 +342,8 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
             block_n = min(block_n, 32)
         grid = (num_heads, bs, num_splits) if head_fastest else (bs, num_heads, num_splits)
         _decode_stage1_mha[grid](
-            *common, KV_GROUP=1, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            *common, o.stride(0), o.stride(1), num_heads, scale_log2, KV_GROUP=1, HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, BLOCK_S=block_s, FUSE_MERGE=fuse_merge,
             HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, num_warps=warps, num_stages=stages, **launch,
         )
     else:
@@ -302,16 +352,19 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
             block_n = min(block_n, 32)
         grid = (num_kv_heads, bs, num_splits) if head_fastest else (bs, num_kv_heads, num_splits)
         _decode_stage1_gqa[grid](
-            *common, KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-            BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
-            IEEE=ieee, HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, num_warps=warps, num_stages=stages,
-            **launch,
+            *common, o.stride(0), o.stride(1), num_kv_heads, scale_log2, KV_GROUP=group, HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
+            BLOCK_S=block_s, FUSE_MERGE=fuse_merge, IEEE=ieee, HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix,
+            num_warps=warps, num_stages=stages, **launch,
         )
+    if fuse_merge:
+        return
     total_splits = num_splits
     if has_prefix:
         grid = (num_kv_heads, prefix_splits, triton.cdiv(bs * group, PREFIX_BLOCK_M))
         _decode_prefix_stage1[grid](
-            q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_len, mid_o, mid_lse, *strides, bs * group,
+            q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_len, mid_o, mid_lse, *strides, scale_log2,
+            bs * group,
             KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREFIX_BLOCK_M,
             BLOCK_N=PREFIX_BLOCK_N if block_d <= 128 else 32, SPLIT_BASE=num_splits,
             NUM_PREFIX_SPLITS=prefix_splits, IEEE=ieee, num_warps=4, num_stages=2, **launch,
