@@ -11,10 +11,11 @@ tensor-parallel group per process, and the GPU memory comes back between runs):
   median of 3: the steady-state cost of one decode step, scheduling, sampling and the TP messages included.
 * configurations: CUDA graphs on and off (NCCL collectives are captured in the graphs; the eager run is the
   fallback if capture fails), a float32 correctness run (no near-ties from fp16 rounding; timed on the
-  CPU only, where it is the one run), and last, graphs with overlapped decode at both tp sizes (the server
-  enables it at TP=1 only; the step transport queues everything without a host sync, so it applies to TP=2).
+  CPU only, where it is the one run), and last, graphs with overlapped decode at both tp sizes: the server's
+  default on GPUs (the others run the synchronous loop; the step transport queues everything without a host
+  sync, so the followers prepare step N+1 under step N too).
 * TP=2 also reports rank 0's host time per forward for handing the step to the other rank (the step header
-  over gloo plus queuing the NCCL broadcast of the batch tensors).
+  down the followers' stdin pipes plus queuing the NCCL broadcast of the batch tensors).
 
 Every configuration must fit in --time-budget (default 330 s for all eight); what does not fit is skipped and
 reported as an error, so the script always finishes and writes its JSON.
@@ -49,7 +50,7 @@ MODELS = {
 }
 # name -> (dtype, CUDA graphs, time the decode step, overlapped decode)
 # (eager first: its numbers are saved even if capturing NCCL collectives in CUDA graphs fails or hangs; the
-# overlap run last: an experiment, as the server runs overlapped decode at TP=1 only)
+# overlapped run, the server's GPU default, last)
 RUNS = {"fp16-eager": ("float16", False, True, False), "fp16-graphs": ("float16", True, True, False),
         "fp32-eager": ("float32", False, False, False), "fp16-graphs-overlap": ("float16", True, True, True)}
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 32, 32
@@ -89,8 +90,8 @@ def child(args) -> dict:
     eng = Engine(model_path=make_model_dir(args.model), load_format="dummy", dtype=dtype, device=args.device,
                  tp_size=args.tp, attention_backend="triton" if gpu else "torch_native", disable_cuda_graph=not graphs,
                  max_running_requests=max(args.batch_sizes + [PROMPTS]), max_total_tokens=32768, log_level="warning",
-                 disable_overlap_schedule=True)  # overlapped decode is TP=1 only: compare like with like
-    if overlap:  # at every tp size alike (as tests/unit/test_overlap.py switches it on)
+                 disable_overlap_schedule=not overlap)
+    if overlap and eng.scheduler.overlap is None:  # the CPU (as tests/unit/test_overlap.py switches it on)
         eng.scheduler.overlap = OverlapDecoder(eng.scheduler)
     out = {"tp": args.tp, "run": args.run, "startup_s": round(time.perf_counter() - t0, 1),
            "cuda_graphs": eng.scheduler.model_runner.graph_runner is not None}

@@ -29,7 +29,7 @@ def peaked_gqa_dir(tmp_path_factory):
     return save_dummy_hf_model(cfg, out, seed=0)
 
 
-def _run(path: str, tp: int, graphs: bool) -> list[list[int]]:
+def _run(path: str, tp: int, graphs: bool, overlap: bool) -> list[list[int]]:
     from sglang_backend import Engine
 
     g = torch.Generator().manual_seed(0)
@@ -37,14 +37,16 @@ def _run(path: str, tp: int, graphs: bool) -> list[list[int]]:
     prompts = [shared + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (3, 50)]
     prompts += [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (1, 300)]
     eng = Engine(model_path=path, device="cuda", dtype="float32", attention_backend="triton", tp_size=tp,
-                 disable_cuda_graph=not graphs, max_running_requests=8, max_total_tokens=8192,
-                 check_pool_on_idle=True, log_level="warning")
+                 disable_cuda_graph=not graphs, disable_overlap_schedule=not overlap, max_running_requests=8,
+                 max_total_tokens=8192, check_pool_on_idle=True, log_level="warning")
+    assert (eng.scheduler.overlap is not None) == overlap
     followers = eng.scheduler.model_runner.tp_followers
     procs = list(followers.procs) if followers is not None else []
     syncs = _sends_must_not_sync(followers) if followers is not None else []
     try:
-        out = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "temperature": 0,
-                                                               "ignore_eos": True})
+        sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+        out = eng.generate(input_ids=prompts, sampling_params=sp)
+        out.append(eng.generate(input_ids=prompts[3], sampling_params=sp))  # batch 1: the GEMV path
         assert not syncs, f"rank 0 synced with the device while sending a step: {syncs[0]}"
         eng.check_pool_whole()
     finally:
@@ -78,6 +80,9 @@ def _sends_must_not_sync(followers) -> list[str]:
     return syncs
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_tp2_matches_tp1_on_gpu(peaked_gqa_dir, graphs):
-    assert _run(peaked_gqa_dir, 2, graphs) == _run(peaked_gqa_dir, 1, graphs)
+@pytest.mark.parametrize("graphs,overlap", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "graphs", "graphs-overlap"])
+def test_tp2_matches_tp1_on_gpu(peaked_gqa_dir, graphs, overlap):
+    """fp32 greedy, a batch of 4 (cascade decode over a shared prefix) then one request alone (batch-1 GEMVs with
+    the row-parallel all-reduce); overlapped decode is the GPU default at every tp size."""
+    assert _run(peaked_gqa_dir, 2, graphs, overlap) == _run(peaked_gqa_dir, 1, graphs, overlap)
