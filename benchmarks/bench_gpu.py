@@ -25,7 +25,7 @@ inputs), pdl_probe (a chain of GEMVs with and without PDL, eager and graphed), a
 launch configs; the fastest become the run's defaults), gemv_sweep
 (cuBLAS vs Triton GEMV at batch 1), hf, profile (per-kernel time of an eager decode step), gemv_step_sweep
 (GEMV launch configs per weight shape, judged by the whole batch-1 step), runner,
-engine_decode, shared, offline, no_overlap, pdl, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
+engine_decode, shared, offline, no_overlap, no_pdl, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
 have since landed in the scheduler; its result is kept in results/gpu_llama2_7b_sched_patch.json.)
 
 Writes ``$OUT/gpu_<model>.json`` when $OUT is set, else ``benchmarks/results/gpu_<model>.json``.
@@ -770,10 +770,14 @@ def bench_attn_sweep(name: str):
     res = []
     chosen = {}
     counters = torch.zeros(64 * H, dtype=torch.int32, device="cuda")
+    # (BLOCK_N, warps, stages, head_fastest, MHA through the tl.dot kernel); session 4's H100 sweep found batch 1
+    # best at 16 splits of 64-token tiles on 2 warps, batch 64 at [128, 4, 2-4] (vector kernel).
+    dots = (False, True) if H == Hkv else (False,)
     for bs, n_layers, splits_list, configs in (
-        (1, 8, (8, 16, 32, 64), [(bn, w, st, True) for bn in (16, 32, 64, 128) for w in (2, 4) for st in (1, 2)]),
-        (64, 2, (1, 2), [(bn, w, st, hf) for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4)
-                         for hf in (True, False)]),
+        (1, 8, (16, 32), [(bn, w, st, True, dot) for bn in (32, 64, 128) for w in (2, 4) for st in (1, 2)
+                          for dot in dots]),
+        (64, 2, (1, 2), [(bn, w, st, hf, dot) for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4)
+                         for hf in (True, False) for dot in dots if not (dot and hf)]),
     ):
         n_slots = bs * ctx + 1
         kv = [(torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype),
@@ -787,21 +791,28 @@ def bench_attn_sweep(name: str):
         for splits in splits_list:
             mid_o = torch.empty(bs, H, splits, D, device="cuda", dtype=torch.float32)
             mid_lse = torch.empty(bs, H, splits, device="cuda", dtype=torch.float32)
-            for c in configs:
+            for *c, dot in configs:
                 try:
                     fns = [(lambda k=k, v=v: da.decode_attention_fwd(q, k, v, o, r2t, rows, seq, mid_o, mid_lse,
-                                                                      splits, D**-0.5, c, merge_counters=counters))
-                           for k, v in kv]
+                                                                      splits, D**-0.5, c, merge_counters=counters,
+                                                                      mha_dot=dot)) for k, v in kv]
                     t = graph_time(fns)
                 except Exception as e:  # noqa: BLE001 - a config may not compile (shared memory)
                     log(f"config {c} failed: {e!r}"[:200])
                     continue
-                res.append({"bs": bs, "splits": splits, "config": list(c), "time_s": t, "Bps": nbytes / t})
+                res.append({"bs": bs, "splits": splits, "config": list(c), "mha_dot": dot, "time_s": t,
+                            "Bps": nbytes / t})
         best = sorted([r for r in res if r["bs"] == bs], key=lambda r: r["time_s"])
         for r in best[:4] + best[-1:]:
-            log(f"attn bs={bs} splits={r['splits']} cfg={r['config']}: {r['time_s'] * 1e6:.1f} us "
-                f"{r['Bps'] / 1e12:.2f} TB/s")
-        chosen["small" if bs == 1 else "large"] = best[0]["config"]
+            log(f"attn bs={bs} splits={r['splits']} cfg={r['config']}{' dot' if r['mha_dot'] else ''}: "
+                f"{r['time_s'] * 1e6:.1f} us {r['Bps'] / 1e12:.2f} TB/s")
+        for dot in dots:
+            b = min((r for r in res if r["bs"] == bs and r["mha_dot"] == dot), key=lambda r: r["time_s"])
+            log(f"   best with mha_dot={dot}: {b['config']} splits {b['splits']} {b['time_s'] * 1e6:.1f} us")
+        size = "small" if bs == 1 else "large"
+        chosen[size] = best[0]["config"]
+        if H == Hkv:
+            da.MHA_DOT[size] = best[0]["mha_dot"]
         if bs == 1:  # the engine's split count at batch 1 becomes the winner's
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             tb.TARGET_PROGRAMS_PER_SM = best[0]["splits"] * (H if H == Hkv else Hkv) / sms
@@ -809,8 +820,10 @@ def bench_attn_sweep(name: str):
         torch.cuda.empty_cache()
     table_ = da.MHA_CONFIG if H == Hkv else da.GQA_CONFIG
     table_.update(chosen)
-    log(f"decode attention configs now {table_}; TARGET_PROGRAMS_PER_SM = {tb.TARGET_PROGRAMS_PER_SM:.2f}")
-    RESULT["attn_sweep"] = {"runs": res, "chosen": chosen, "target_programs_per_sm": tb.TARGET_PROGRAMS_PER_SM}
+    log(f"decode attention configs now {table_}, MHA_DOT {da.MHA_DOT}; "
+        f"TARGET_PROGRAMS_PER_SM = {tb.TARGET_PROGRAMS_PER_SM:.2f}")
+    RESULT["attn_sweep"] = {"runs": res, "chosen": chosen, "mha_dot": dict(da.MHA_DOT),
+                            "target_programs_per_sm": tb.TARGET_PROGRAMS_PER_SM}
 
 
 @section("gemv_sweep")
@@ -934,7 +947,7 @@ def table(name: str) -> str:
                      f"floor shared {ms(rs.get('floor_shared_s'))}, private {ms(rs.get('floor_private_s'))}"])
     for key, label in (("offline_1k_1k", "offline 1k in / 1k out"),
                        ("offline_1k_1k_no_overlap", "1k/1k, overlap off"),
-                       ("offline_1k_1k_pdl", "1k/1k, PDL on"),
+                       ("offline_1k_1k_no_pdl", "1k/1k, PDL off"),
                        ("offline_1k_1k_patched", "1k/1k + sched patch")):
         f = o.get(key)
         if f:
@@ -945,9 +958,9 @@ def table(name: str) -> str:
         rows.append([f"  variant {key[len('decode_'):]}", ms(d["step_s"]), f"floor {ms(d['floor_s'])}",
                      f"{d['ratio_to_floor']:.3f}x floor", f"synced {ms(d['step_synced_s'])}"])
     for bs in (1, 64):
-        e = o.get(f"engine_decode_step_bs{bs}_s_pdl")
+        e = o.get(f"engine_decode_step_bs{bs}_s_no_pdl")
         if e:
-            rows.append([f"engine decode bs={bs}, PDL on", ms(e), f"default {ms(o.get(f'engine_decode_step_bs{bs}_s'))}",
+            rows.append([f"engine decode bs={bs}, PDL off", ms(e), f"default {ms(o.get(f'engine_decode_step_bs{bs}_s'))}",
                          "-", "whole engine loop per step"])
     for bs in (1, 64):
         e = o.get(f"engine_decode_step_bs{bs}_s_no_overlap")
@@ -1043,13 +1056,13 @@ def main(argv=None):
         eng = None
         gc.collect()
         torch.cuda.empty_cache()
-    if "pdl" in only:  # ablation: kernels launched with programmatic dependent launch (off by default)
+    if "no_pdl" in only:  # ablation: no programmatic dependent launch (on by default on sm90+)
         from sglang_backend.runtime.layers.attention.triton_ops import pdl
 
-        pdl.set_enabled(True)
+        pdl.set_enabled(False)
         eng = make_engine(model_dir, spec["dtype"], mem_fraction_static=args.mem_fraction_static)
-        bench_engine_decode(eng, vocab, "_pdl")
-        bench_offline(eng, vocab, args.offline_max_requests, "offline_1k_1k_pdl")
+        bench_engine_decode(eng, vocab, "_no_pdl")
+        bench_offline(eng, vocab, args.offline_max_requests, "offline_1k_1k_no_pdl")
         close_engine(eng)
         pdl.set_enabled(None)
         eng = None

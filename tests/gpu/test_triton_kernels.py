@@ -30,6 +30,9 @@ def test_decode_attention(dtype, shape):
         for fused_merge in (False, True):  # separate stage 2; merge folded into stage 1
             err = check_decode("cuda", dtype, *shape, seq_lens, splits, seed=seed, fused_merge=fused_merge)
             assert err < TOL[dtype], (seq_lens, splits, fused_merge, err)
+        if shape[0] == shape[1]:  # MHA through the grouped tl.dot kernel
+            err = check_decode("cuda", dtype, *shape, seq_lens, splits, seed=seed, fused_merge=True, mha_dot=True)
+            assert err < TOL[dtype], (seq_lens, splits, "mha_dot", err)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -15,8 +15,9 @@ code and roundings as stage 2; one split alone writes the output directly. That 
 serves every sequence length: that is what makes the decode step capturable in a CUDA graph. Empty splits
 (short sequences) write a zero output with lse = -inf, which stage 2 weights by zero.
 
-MHA (one query head per KV head) uses a vector kernel; grouped-query attention packs the query heads of one
-KV head into the rows of a ``tl.dot`` so each KV tile is read once per group.
+MHA (one query head per KV head) uses a vector kernel (or, per MHA_DOT, the grouped one with a single row);
+grouped-query attention packs the query heads of one KV head into the rows of a ``tl.dot`` so each KV tile is
+read once per group.
 """
 
 from __future__ import annotations
@@ -287,6 +288,9 @@ def _decode_stage2(
 # H100, 1k context: MHA 64x32x128 reads 2.65 TB/s (copy: 3.0), GQA 64x8x128 2.68 TB/s; the head order mattered
 # by ~1% only. MHA at batch 1 (32x128, 16 splits, merge fused): 12.5 us with 64-token tiles and 2 warps.
 MHA_CONFIG = {"small": [64, 2, 1, True], "large": [128, 4, 2, False]}
+# MHA through the grouped kernel instead (one query row padded to a 16-row tl.dot: tensor cores do the
+# products that the vector kernel does on CUDA cores); per batch-size class, set by attn_sweep's winner.
+MHA_DOT = {"small": False, "large": False}
 GQA_CONFIG = {"small": [64, 4, 2, True], "large": [128, 4, 2, False]}
 LARGE_BATCH = 16
 
@@ -304,7 +308,8 @@ def num_prefix_programs_per_split(bs: int, num_heads: int, num_kv_heads: int) ->
 
 def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                          num_splits: int, sm_scale: float, config: tuple | None = None,
-                         prefix_len=None, prefix_splits: int = 0, merge_counters=None) -> None:
+                         prefix_len=None, prefix_splits: int = 0, merge_counters=None,
+                         mha_dot: bool | None = None) -> None:
     """q, o: [bs, H, D]; k_buf, v_buf: [slots, Hkv, D]; mid_o: >= [bs, H, num_splits + prefix_splits, D] fp32
     and mid_lse: >= [bs, H, num_splits + prefix_splits] fp32 scratch (any leading layout given by their strides).
 
@@ -314,7 +319,8 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
     P lives on the device so a CUDA graph captured once serves every step.
 
     ``merge_counters``: int32 zeros, >= bs * num_heads, owned by the caller and left zero by every launch; with
-    them (and outside cascade mode) stage 2 is folded into stage 1 (see the module docstring)."""
+    them (and outside cascade mode) stage 2 is folded into stage 1 (see the module docstring).
+    ``mha_dot``: MHA through the grouped (tl.dot) kernel; None: as MHA_DOT says for this batch size."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -336,7 +342,7 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
               mid_o, mid_lse, o, merge_counters if fuse_merge else seq_lens) + strides
     size = "large" if bs >= LARGE_BATCH else "small"
     launch = pdl.launch_args(q)
-    if group == 1:
+    if group == 1 and not (MHA_DOT[size] if mha_dot is None else mha_dot):
         block_n, warps, stages, head_fastest = config or MHA_CONFIG[size]
         if block_d > 128:
             block_n = min(block_n, 32)
@@ -347,7 +353,7 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
             HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, num_warps=warps, num_stages=stages, **launch,
         )
     else:
-        block_n, warps, stages, head_fastest = config or GQA_CONFIG[size]
+        block_n, warps, stages, head_fastest = config or (MHA_CONFIG if group == 1 else GQA_CONFIG)[size]
         if block_d > 128:
             block_n = min(block_n, 32)
         grid = (num_kv_heads, bs, num_splits) if head_fastest else (bs, num_kv_heads, num_splits)
