@@ -95,6 +95,30 @@ def test_triton_matches_torch_native(peaked_model_dir, dtype):
     assert [r[0] for r in tri] == [r[0] for r in eager] or dtype == "bfloat16"
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_flashinfer_matches_torch_native(peaked_model_dir, dtype):
+    """--attention-backend flashinfer (needs the flashinfer-python package): prefill/append over cached
+    prefixes and decode through FlashInfer's paged wrappers give torch_native's greedy tokens."""
+    pytest.importorskip("flashinfer")
+    ref, ref2, _ = _run(peaked_model_dir, dtype, attention_backend="torch_native")
+    out, out2, stats = _run(peaked_model_dir, dtype, attention_backend="flashinfer")
+    assert stats["cache_hit_rate"] > 0.3
+    ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
+    _same_greedy(ref_ids, ref_top, [r[0] for r in out], dtype, "flashinfer")
+    _same_greedy(ref_ids, ref_top, out2, dtype, "flashinfer, cached prefixes")
+
+
+def test_flashinfer_kv_page_indices():
+    """The page list FlashInfer reads: each request's first seq_len slots of its req_to_token row."""
+    from sglang_backend.runtime.layers.attention.flashinfer_backend import kv_page_indices
+
+    table = (torch.arange(5 * 700, device="cuda") * 3 + 1).view(5, 700)
+    lens = [1, 300, 700]
+    indptr, idx = kv_page_indices(table, torch.tensor([4, 0, 2], device="cuda"), lens)
+    assert indptr.tolist() == [0, 1, 301, 1001] and idx.dtype == torch.int32
+    assert torch.equal(idx.cpu(), torch.cat([table[4, :1], table[0, :300], table[2, :700]]).int().cpu())
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_batch1_gemv_modes_and_pdl_match_torch_native(peaked_model_dir, dtype, monkeypatch):
     """Decode at batch 1 (one request at a time) through cuBLAS, the Triton GEMV, the fused GEMV (norm

@@ -162,7 +162,7 @@ class ModelRunner:
         total = all_reduce_min(total)  # tensor parallelism: rank 0 hands out slots every rank must have
         total = max(sa.page_size, total // sa.page_size * sa.page_size)
         self.max_total_num_tokens = total
-        if self.device != "cpu" and sa.attention_backend == "triton":
+        if self.device != "cpu" and sa.attention_backend in ("triton", "flashinfer"):
             self.req_to_token_pool = MirroredReqToTokenPool(sa.max_running_requests, self.context_len + 8, self.device)
         else:
             self.req_to_token_pool = ReqToTokenPool(sa.max_running_requests, self.context_len + 8, self.device)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def device_table(req_to_token_pool) -> torch.Tensor:
+    """The req_to_token table the kernels read (the GPU mirror when the pool keeps its table on the host)."""
+    return getattr(req_to_token_pool, "device_table", req_to_token_pool.req_to_token)
+
+
 class AttentionBackend:
     def init_forward_metadata(self, forward_batch) -> None:
         """Per-batch precomputation shared by all layers (index tensors, masks)."""

@@ -13,7 +13,7 @@ import os
 import torch
 
 from ...models.llama import head_dim_of
-from .base import AttentionBackend
+from .base import AttentionBackend, device_table
 from .triton_ops.decode_attention import decode_attention_fwd, num_prefix_programs_per_split, shared_prefix_len
 from .triton_ops.extend_attention import extend_attention_fwd
 from .triton_ops.fused_ops import store_kv
@@ -30,11 +30,6 @@ FUSED_MERGE = os.environ.get("SGLANG_BACKEND_FUSED_MERGE", "1") != "0"
 # size up; below it the extra launch per layer costs more than the shared reads save.
 CASCADE_MIN_BS = 8
 MAX_PREFIX_SPLITS = 8
-
-
-def device_table(req_to_token_pool) -> torch.Tensor:
-    """The req_to_token table the kernels read (the GPU mirror when the pool keeps its table on the host)."""
-    return getattr(req_to_token_pool, "device_table", req_to_token_pool.req_to_token)
 
 
 class TritonAttnBackend(AttentionBackend):

@@ -1,0 +1,115 @@
+"""FlashInfer attention backend (optional: ``pip install flashinfer-python``; ``--attention-backend flashinfer``).
+
+FlashInfer's paged wrappers over our KV pool: prefill/append (a ragged batch of new tokens over its cached
+prefix, causal, bottom-right aligned) with ``BatchPrefillWithPagedKVCacheWrapper`` and decode with
+``BatchDecodeWithPagedKVCacheWrapper``. Our pool is token-granular (``req_to_token`` names a slot per token), so
+each slot is presented as a page of one token: the K and V buffers ``[slots, Hkv, D]`` become
+``[slots, 1, Hkv, D]`` (layout "NHD") without a copy, and a request's page list is its row of ``req_to_token``.
+
+Per batch, ``init_forward_metadata`` plans both wrappers' work once for all layers: the index pointers are
+built on the host from the batch's host-side lengths, the page indices on the GPU by a small Triton kernel
+that copies each request's table row (no device-to-host sync, so overlapped decode still overlaps). Decode
+runs eagerly: FlashInfer's plan is host work per batch, which a captured CUDA graph would freeze (the triton
+backend is the one with CUDA graphs). fp16 and bf16 only (FlashInfer has no fp32 kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...models.llama import head_dim_of
+from .base import AttentionBackend, device_table
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
+
+
+@triton.jit
+def _kv_page_indices_kernel(Table, stride_t, Rows, Starts, Lens, Out, BLOCK: tl.constexpr):
+    """Out[Starts[i] : Starts[i] + Lens[i]] = Table[Rows[i], : Lens[i]] (as int32), one program per request."""
+    i = tl.program_id(0)
+    row = tl.load(Rows + i).to(tl.int64)
+    start = tl.load(Starts + i)
+    n = tl.load(Lens + i)
+    for j0 in range(0, n, BLOCK):
+        offs = j0 + tl.arange(0, BLOCK)
+        mask = offs < n
+        slots = tl.load(Table + row * stride_t + offs, mask=mask, other=0)
+        tl.store(Out + start + offs, slots.to(tl.int32), mask=mask)
+
+
+def kv_page_indices(table: torch.Tensor, rows: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indptr on the host, indices on the table's device), both int32: request i's pages are its first
+    ``lens[i]`` slots of ``table[rows[i]]``."""
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
+    total = int(indptr[-1])
+    out = torch.empty(max(total, 1), dtype=torch.int32, device=table.device)[:total]
+    if lens:
+        meta = torch.stack([indptr[:-1], torch.tensor(lens, dtype=torch.int32)])
+        if table.is_cuda:
+            meta = meta.pin_memory()
+        meta = meta.to(table.device, non_blocking=True)
+        _kv_page_indices_kernel[(len(lens),)](table, table.stride(0), rows, meta[0], meta[1], out, BLOCK=256)
+    return indptr, out
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    # The backend writes the new tokens' K/V itself (no fused store), and decode is not captured in CUDA graphs.
+    supports_fused_kv_store = False
+
+    def __init__(self, model_runner):
+        try:
+            import flashinfer
+        except ImportError as e:
+            raise RuntimeError("--attention-backend flashinfer needs the flashinfer-python package "
+                               "(pip install flashinfer-python), or use --attention-backend triton") from e
+        dtype = model_runner.dtype
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"--attention-backend flashinfer runs float16 and bfloat16 models, not {dtype}; "
+                             "use --dtype float16/bfloat16 or --attention-backend triton")
+        self.dtype = dtype
+        self.device = torch.device(model_runner.device)
+        self.num_heads = model_runner.num_heads  # this rank's heads
+        self.num_kv_heads = model_runner.num_kv_heads
+        self.head_dim = head_dim_of(getattr(model_runner, "text_config", None) or model_runner.config)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.num_heads // self.num_kv_heads >= 4)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.sm_scale: float | None = None  # planned with this; every layer must use it
+
+    def _plan(self, fb, scale: float) -> None:
+        lens = list(fb.seq_lens_cpu)
+        indptr, indices = kv_page_indices(device_table(fb.req_to_token_pool), fb.req_pool_indices, lens)
+        last_page_len = torch.ones(len(lens), dtype=torch.int32)  # one-token pages are always full
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale)
+        if fb.forward_mode.is_decode():
+            self.decode_wrapper.plan(indptr, indices, last_page_len, self.num_heads, self.num_kv_heads,
+                                     self.head_dim, 1, **common)
+        else:
+            qo_indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+            qo_indptr[1:] = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int32).cumsum(0)
+            self.prefill_wrapper.plan(qo_indptr, indptr, indices, last_page_len, self.num_heads,
+                                      self.num_kv_heads, self.head_dim, 1, causal=True, **common)
+        self.sm_scale = scale
+
+    def init_forward_metadata(self, fb) -> None:
+        self.sm_scale = None  # planned by the first layer, which brings the softmax scale
+
+    def forward(self, q, k, v, layer, fb, save_kv: bool = True):
+        if self.sm_scale is None:
+            self._plan(fb, layer.scaling)
+        elif layer.scaling != self.sm_scale:
+            raise ValueError(f"flashinfer backend: layer {layer.layer_id} has softmax scale {layer.scaling}, "
+                             f"the batch was planned with {self.sm_scale}")
+        pool = fb.token_to_kv_pool
+        lid = layer.layer_id
+        if save_kv:
+            pool.set_kv_buffer(lid, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
+                               v.view(-1, layer.num_kv_heads, layer.head_dim))
+        kv = (pool.get_key_buffer(lid).unsqueeze(1), pool.get_value_buffer(lid).unsqueeze(1))  # one-token pages
+        q = q.reshape(-1, layer.num_heads, layer.head_dim).contiguous()
+        wrapper = self.decode_wrapper if fb.forward_mode.is_decode() else self.prefill_wrapper
+        return wrapper.run(q, kv).reshape(-1, layer.num_heads * layer.head_dim)
