@@ -22,6 +22,8 @@ read once per group.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,17 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _mha_tile(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2):
+    """One KV tile of the vector (one query row) online softmax: returns the updated (max, sum, acc)."""
+    qk = tl.sum(k.to(tl.float32) * q[None, :], 1) * sm_scale_log2
+    qk = tl.where(mask_n, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+
+
+@triton.jit
 def _decode_stage1_mha(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse, O, Counters,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
@@ -40,9 +53,10 @@ def _decode_stage1_mha(
     sm_scale_log2,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FUSE_MERGE: tl.constexpr, HEAD_FASTEST: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
+    if not PRELOAD:
+        pdl_begin(PDL)
     if HEAD_FASTEST:  # programs launched together read neighbouring heads of the same tokens
         h = tl.program_id(0)
         b = tl.program_id(1)
@@ -62,12 +76,33 @@ def _decode_stage1_mha(
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-
     m_i = tl.zeros([], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    first = start
+    if PRELOAD:
+        # Under PDL: the first tile's keys and values of earlier tokens (stored by earlier steps; the table and
+        # the lengths were written before the step began) are requested before waiting for the kernel before
+        # this one, whose writes (q, this step's K/V) are read only after the wait.
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        old = mask_n & (offs_n < seq_len - 1)
+        slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k_ptr = K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+        v_ptr = V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+        k = tl.load(k_ptr, mask=old[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(v_ptr, mask=old[:, None] & mask_d[None, :], other=0.0)
+        pdl_begin(PDL)
+        new = (mask_n & (offs_n == seq_len - 1))[:, None] & mask_d[None, :]
+        k = tl.where(new, tl.load(k_ptr, mask=new, other=0.0), k)
+        v = tl.where(new, tl.load(v_ptr, mask=new, other=0.0), v)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        if start < end:
+            m_i, l_i, acc = _mha_tile(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2)
+        first = start + BLOCK_N
+    else:
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -75,14 +110,7 @@ def _decode_stage1_mha(
         # K and V tiles are requested together: twice the bytes in flight per program.
         k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.sum(k.to(tl.float32) * q[None, :], 1) * sm_scale_log2
-        qk = tl.where(mask_n, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
+        m_i, l_i, acc = _mha_tile(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2)
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)
@@ -291,6 +319,10 @@ MHA_CONFIG = {"small": [64, 2, 1, True], "large": [128, 4, 2, False]}
 # MHA through the grouped kernel instead (one query row padded to a 16-row tl.dot: tensor cores do the
 # products that the vector kernel does on CUDA cores); per batch-size class, set by attn_sweep's winner.
 MHA_DOT = {"small": False, "large": False}
+# The vector MHA kernel requests its first tile of earlier tokens' K/V before its PDL wait, overlapping that
+# latency with the tail of the qkv GEMV before it (SGLANG_BACKEND_ATTN_PRELOAD=1; off until measured: bench_gpu
+# runner times both).
+PRELOAD_KV = os.environ.get("SGLANG_BACKEND_ATTN_PRELOAD", "0") == "1"
 GQA_CONFIG = {"small": [64, 4, 2, True], "large": [128, 4, 2, False]}
 LARGE_BATCH = 16
 
@@ -309,7 +341,7 @@ def num_prefix_programs_per_split(bs: int, num_heads: int, num_kv_heads: int) ->
 def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                          num_splits: int, sm_scale: float, config: tuple | None = None,
                          prefix_len=None, prefix_splits: int = 0, merge_counters=None,
-                         mha_dot: bool | None = None) -> None:
+                         mha_dot: bool | None = None, preload: bool | None = None) -> None:
     """q, o: [bs, H, D]; k_buf, v_buf: [slots, Hkv, D]; mid_o: >= [bs, H, num_splits + prefix_splits, D] fp32
     and mid_lse: >= [bs, H, num_splits + prefix_splits] fp32 scratch (any leading layout given by their strides).
 
@@ -320,7 +352,8 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
 
     ``merge_counters``: int32 zeros, >= bs * num_heads, owned by the caller and left zero by every launch; with
     them (and outside cascade mode) stage 2 is folded into stage 1 (see the module docstring).
-    ``mha_dot``: MHA through the grouped (tl.dot) kernel; None: as MHA_DOT says for this batch size."""
+    ``mha_dot``: MHA through the grouped (tl.dot) kernel; None: as MHA_DOT says for this batch size.
+    ``preload``: the vector MHA kernel requests its first KV tile before its PDL wait; None: PRELOAD_KV."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -350,7 +383,8 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
         _decode_stage1_mha[grid](
             *common, o.stride(0), o.stride(1), num_heads, scale_log2, KV_GROUP=1, HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, BLOCK_S=block_s, FUSE_MERGE=fuse_merge,
-            HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, num_warps=warps, num_stages=stages, **launch,
+            HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, PRELOAD=PRELOAD_KV if preload is None else preload,
+            num_warps=warps, num_stages=stages, **launch,
         )
     else:
         block_n, warps, stages, head_fastest = config or (MHA_CONFIG if group == 1 else GQA_CONFIG)[size]
