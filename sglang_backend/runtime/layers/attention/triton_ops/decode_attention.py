@@ -11,9 +11,11 @@ Stage 1 (grid ``bs x heads x splits``) lets each program attend to one contiguou
 write its normalised partial output and log-sum-exp (base 2) to fp32 scratch buffers; stage 2 merges the
 splits. With ``merge_counters`` (outside cascade mode) stage 2 is folded into stage 1: each program counts
 itself in for its (request, head) with an atomic, and the last one to arrive merges the splits, with the same
-code and roundings as stage 2; one split alone writes the output directly. That is one kernel per layer fewer. The number of splits is a compile-time constant chosen from the batch size only, so one launch shape
-serves every sequence length: that is what makes the decode step capturable in a CUDA graph. Empty splits
-(short sequences) write a zero output with lse = -inf, which stage 2 weights by zero.
+code and roundings as stage 2; one split alone writes the output directly. That is one kernel per layer fewer.
+
+The number of splits is a compile-time constant chosen from the batch size only, so one launch shape serves
+every sequence length: that is what makes the decode step capturable in a CUDA graph. Empty splits (short
+sequences) write a zero output with lse = -inf, which the merge weights by zero.
 
 MHA (one query head per KV head) uses a vector kernel (or, per MHA_DOT, the grouped one with a single row);
 grouped-query attention packs the query heads of one KV head into the rows of a ``tl.dot`` so each KV tile is

@@ -122,10 +122,11 @@ def _gemv_kernel(X, W, B, Y, NW, N, K, stride_w, eps,
         tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
-# Launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages). The default: on an H100 (bench_gpu gemv_step_sweep, Llama-2-7B shapes, judged on the whole batch-1
-# step) 4 rows x 1024-wide K tiles won for qkv, gate_up and down_proj and tied for o_proj (step 5.84 -> 5.46 ms
-# from [16, 256, 4, 3]): more programs in flight, each streaming longer runs of its rows. Per-shape overrides,
-# keyed (rows, cols, silu_mul), are what the sweep writes when it finds better.
+# Launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages). The default: on an H100 (bench_gpu gemv_step_sweep,
+# Llama-2-7B shapes, judged on the whole batch-1 step) 4 rows x 1024-wide K tiles won for qkv, gate_up and
+# down_proj and tied for o_proj (step 5.84 -> 5.46 ms from [16, 256, 4, 3]): more programs in flight, each
+# streaming longer runs of its rows; a finer second sweep around it found nothing beyond noise. Per-shape
+# overrides, keyed (rows, cols, silu_mul), are what the sweep writes when it finds better.
 GEMV_CONFIG = [4, 1024, 4, 3]
 GEMV_CONFIGS: dict[tuple[int, int, bool], list[int]] = {}
 
