@@ -12,9 +12,10 @@ One-token batches (decode at batch 1) can run their linears through the Triton G
 * ``"off"``: cuBLAS, as every other batch;
 * ``"on"``: the GEMV in place of cuBLAS, norms and SiLU-mul as separate kernels;
 * ``"fused"``: the GEMV also does the RMSNorm (prologue), the SiLU-mul (epilogue of gate_up) and the residual
-  add (epilogue of o_proj and down_proj): 7 kernels per layer instead of 9, the same roundings;
-* ``"fused_rope"``: "fused" plus rotary and the KV store in the qkv GEMV's epilogue (6 kernels per layer, with
-  backends that let the model store KV; with others it is "fused").
+  add (epilogue of o_proj and down_proj): two kernels per layer fewer, the same roundings;
+* ``"fused_rope"``: "fused" plus rotary and the KV store in the qkv GEMV's epilogue, one more kernel fewer
+  (with backends that let the model store KV; with others it is "fused"). With the triton backend's decode
+  attention (its merge folded in) a layer is then 5 kernels: qkv, attention, o_proj, gate_up, down_proj.
 
 Chosen with SGLANG_BACKEND_GEMV (off/on/fused/fused_rope); the default is "fused_rope" on Hopper and newer, where
 it measured fastest on an H100 (benchmarks/bench_gpu.py ``runner`` times every mode: 5.46 ms per batch-1 step
