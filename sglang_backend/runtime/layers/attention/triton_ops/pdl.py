@@ -28,11 +28,25 @@ import triton.language as tl
 _override: bool | None = None
 
 
+def _triton_has_pdl() -> bool:
+    """Triton 3.3+ has both the ``launch_pdl`` launch option and the griddepcontrol intrinsics; older ones would
+    reject the option, so PDL stays off there."""
+    try:
+        import dataclasses
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return ("launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+                and hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents"))
+    except Exception:  # noqa: BLE001 - any other Triton layout: no PDL
+        return False
+
+
 @functools.lru_cache(maxsize=None)
 def _supported(device_index: int) -> bool:
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return torch.cuda.get_device_capability(device_index)[0] >= 9 and _triton_has_pdl()
 
 
 def enabled(t: torch.Tensor) -> bool:
