@@ -42,12 +42,13 @@ def _kv_page_indices_kernel(Table, stride_t, Rows, Starts, Lens, Out, BLOCK: tl.
 def kv_page_indices(table: torch.Tensor, rows: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(indptr on the host, indices on the table's device), both int32: request i's pages are its first
     ``lens[i]`` slots of ``table[rows[i]]``."""
+    n = torch.tensor(lens, dtype=torch.int32)
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    indptr[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
+    indptr[1:] = n.cumsum(0)
     total = int(indptr[-1])
     out = torch.empty(max(total, 1), dtype=torch.int32, device=table.device)[:total]
     if lens:
-        meta = torch.stack([indptr[:-1], torch.tensor(lens, dtype=torch.int32)])
+        meta = torch.stack([indptr[:-1], n])
         if table.is_cuda:
             meta = meta.pin_memory()
         meta = meta.to(table.device, non_blocking=True)

@@ -88,12 +88,12 @@ def _decode_stage1_mha(
         # this one, whose writes (q, this step's K/V) are read only after the wait.
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        old = mask_n & (offs_n < seq_len - 1)
+        old = (mask_n & (offs_n < seq_len - 1))[:, None] & mask_d[None, :]
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
         k_ptr = K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
         v_ptr = V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
-        k = tl.load(k_ptr, mask=old[:, None] & mask_d[None, :], other=0.0)
-        v = tl.load(v_ptr, mask=old[:, None] & mask_d[None, :], other=0.0)
+        k = tl.load(k_ptr, mask=old, other=0.0)
+        v = tl.load(v_ptr, mask=old, other=0.0)
         pdl_begin(PDL)
         new = (mask_n & (offs_n == seq_len - 1))[:, None] & mask_d[None, :]
         k = tl.where(new, tl.load(k_ptr, mask=new, other=0.0), k)
