@@ -22,10 +22,12 @@ Model: dummy (random) weights at Llama-2-7B shape in fp16 (``--model llama2-7b``
 
 Sections (``--only``, run in this order): ceilings, correctness (kernel errors vs float64 on fresh random
 inputs), pdl_probe (a chain of GEMVs with and without PDL, eager and graphed), attn_sweep (decode-attention
-launch configs; the fastest become the run's defaults), gemv_sweep
+launch configs; the fastest become the run's defaults), attn_layout (decode attention over the engine's KV
+layout at the offline shape, ours vs FlashInfer), gemv_sweep
 (cuBLAS vs Triton GEMV at batch 1), hf, profile (per-kernel time of an eager decode step), gemv_step_sweep
 (GEMV launch configs per weight shape, judged by the whole batch-1 step), runner,
-engine_decode, shared, offline, no_overlap, no_pdl, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
+engine_decode, engine_trace (GPU timeline of the engine loop: kernel time and idle gaps per step), shared,
+offline, no_overlap, no_pdl, no_radix. (An earlier ``sched_patch`` ablation measured scheduler changes that
 have since landed in the scheduler; its result is kept in results/gpu_llama2_7b_sched_patch.json.)
 
 Writes ``$OUT/gpu_<model>.json`` when $OUT is set, else ``benchmarks/results/gpu_<model>.json``.
@@ -320,11 +322,12 @@ def bench_runner(eng, mb: dict, name: str):
 
     # Each (batch, linears, PDL, fused merge) variant; the product defaults become "decode_bs1"/"decode_bs64".
     fused_ok = mr.executor is not None
+    # (The KV preload only acts under PDL.)
     variants = [(1, m, p, f, pre) for m, p, f, pre in (
-        ("fused_rope", True, True, False), ("fused_rope", True, True, True), ("fused_rope", False, True, False),
-        ("fused_rope", False, False, False), ("fused", True, True, False), ("on", True, True, False),
-        ("off", True, True, False)) if fused_ok or m == "off"]
-    variants += [(64, "off", True, True, False), (64, "off", True, True, True), (64, "off", False, True, False)]
+        ("fused_rope", True, True, True), ("fused_rope", True, True, False), ("fused_rope", False, True, False),
+        ("fused_rope", False, False, False), ("fused", True, True, True), ("on", True, True, True),
+        ("off", True, True, True)) if fused_ok or m == "off"]
+    variants += [(64, "off", True, True, True), (64, "off", True, True, False), (64, "off", False, True, False)]
     for bs, gemv_mode, use_pdl, fused_merge, preload in variants:
         ctx = 1024
         configure(gemv_mode, use_pdl, fused_merge, preload)
@@ -332,7 +335,8 @@ def bench_runner(eng, mb: dict, name: str):
         fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, V, (bs,), device="cuda"),
                           torch.full((bs,), ctx - 1, device="cuda"), torch.stack([p[-1] for p in per]),
                           torch.tensor(rows, device="cuda"), torch.full((bs,), ctx, device="cuda"), [ctx] * bs,
-                          logits_indices=torch.arange(bs, device="cuda"))
+                          logits_indices=torch.arange(bs, device="cuda"),
+                          shared_first_slot=mr.req_to_token_pool.same_first_slot(rows))
         pipelined = cuda_time(lambda: mr.forward(fb), 30, 5)
 
         def synced():
@@ -356,7 +360,7 @@ def bench_runner(eng, mb: dict, name: str):
                     "ratio_to_floor": step / floor if floor else None, "achieved_Bps": floor_bytes / step}
         log(f"decode bs={bs} ctx={ctx} [{key}]: {step * 1e3:.3f} ms (synced {statistics.median(t_sync) * 1e3:.3f} ms); "
             f"floor {floor * 1e3 if floor else float('nan'):.3f} ms; ratio {step / floor if floor else float('nan'):.3f}")
-        if use_pdl and fused_merge and not preload and gemv_mode in ("fused_rope", "off"):  # eager, for the record
+        if use_pdl and fused_merge and preload and gemv_mode in ("fused_rope", "off"):  # eager, for the record
             gr = mr.graph_runner
             mr.graph_runner = None
             try:
@@ -374,7 +378,7 @@ def bench_runner(eng, mb: dict, name: str):
     for bs in (1, 64):
         best = min((k for k in res if k.startswith(f"decode_bs{bs}_")), key=lambda k: res[k]["step_s"])
         key = (f"decode_bs{bs}_{default_mode if bs == 1 else 'off'}_{'pdl' if default_pdl else 'nopdl'}"
-               + ("" if tb.FUSED_MERGE else "_stage2") + ("_preload" if default_preload else ""))
+               + ("" if tb.FUSED_MERGE else "_stage2") + ("_preload" if default_preload and default_pdl else ""))
         res[f"decode_bs{bs}"] = dict(res[key], variant=key, fastest_variant=best)
         log(f"decode bs={bs}: default {key} {res[key]['step_s'] * 1e3:.3f} ms; fastest {best}")
     configure(default_mode, None)
@@ -516,7 +520,8 @@ def bench_runner_shared(eng, mb: dict):
         fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, mr.vocab_size, (bs,), device="cuda"),
                           torch.full((bs,), ctx - 1, device="cuda"), torch.stack(last).to("cuda"),
                           torch.tensor(rows, device="cuda"), torch.full((bs,), ctx, device="cuda"), [ctx] * bs,
-                          logits_indices=torch.arange(bs, device="cuda"))
+                          logits_indices=torch.arange(bs, device="cuda"),
+                          shared_first_slot=mr.req_to_token_pool.same_first_slot(rows))
         step = statistics.median(cuda_time(lambda: mr.forward(fb), 20, 3))
         key = "shared" if shared else "private"
         res[key] = step
@@ -779,15 +784,13 @@ def bench_attn_sweep(name: str):
     res = []
     chosen = {}
     counters = torch.zeros(64 * H, dtype=torch.int32, device="cuda")
-    # (BLOCK_N, warps, stages, head_fastest, MHA through the tl.dot kernel); session 4's H100 sweep found batch 1
-    # best at 16 splits of 64-token tiles on 2 warps, batch 64 at [128, 4, 2-4] (vector kernel).
-    dots = (False, True) if H == Hkv else (False,)
+    # (BLOCK_N, warps, stages, head_fastest); session 5's H100 sweep found batch 1 best at 16 splits of 64-token
+    # tiles on 2 warps, batch 64 at [64, 4, 3] (about equal to [128, 4, 2]).
     for bs, n_layers, contexts, splits_list, configs in (
-        (1, 8, (1024,), (16, 32), [(bn, w, st, True, dot) for bn in (32, 64, 128) for w in (2, 4) for st in (1, 2)
-                                   for dot in dots]),
+        (1, 8, (1024,), (16, 32), [(bn, w, st, True) for bn in (32, 64, 128) for w in (2, 4) for st in (1, 2)]),
         # Large batches at 1k and 2k context (offline 1k in / 1k out decodes at 1-2k): ranked by the sum.
-        (64, 2, (1024, 2048), (1, 2), [(bn, w, st, hf, dot) for bn in (64, 128) for w in (4, 8) for st in (2, 3)
-                                        for hf in (True, False) for dot in dots if not (dot and hf)]),
+        (64, 2, (1024, 2048), (1, 2), [(bn, w, st, hf) for bn in (64, 128) for w in (4, 8) for st in (2, 3)
+                                        for hf in (True, False)]),
     ):
         for ctx in contexts:
             n_slots = bs * ctx + 1
@@ -802,48 +805,196 @@ def bench_attn_sweep(name: str):
             for splits in splits_list:
                 mid_o = torch.empty(bs, H, splits, D, device="cuda", dtype=torch.float32)
                 mid_lse = torch.empty(bs, H, splits, device="cuda", dtype=torch.float32)
-                for *c, dot in configs:
+                for c in configs:
                     try:
                         fns = [(lambda k=k, v=v: da.decode_attention_fwd(
                             q, k, v, o, r2t, rows, seq, mid_o, mid_lse, splits, D**-0.5, c, merge_counters=counters,
-                            mha_dot=dot)) for k, v in kv]
+                            )) for k, v in kv]
                         t = graph_time(fns)
                     except Exception as e:  # noqa: BLE001 - a config may not compile (shared memory)
                         log(f"config {c} failed: {e!r}"[:200])
                         continue
-                    res.append({"bs": bs, "ctx": ctx, "splits": splits, "config": list(c), "mha_dot": dot,
+                    res.append({"bs": bs, "ctx": ctx, "splits": splits, "config": list(c),
                                 "time_s": t, "Bps": nbytes / t})
             del kv
             torch.cuda.empty_cache()
         totals: dict = {}
         for r in res:
             if r["bs"] == bs:
-                key = (r["splits"], tuple(r["config"]), r["mha_dot"])
+                key = (r["splits"], tuple(r["config"]))
                 totals.setdefault(key, []).append(r)
         full = [rs for rs in totals.values() if len(rs) == len(contexts)]  # measured at every context
         ranked = sorted(full, key=lambda rs: sum(r["time_s"] for r in rs))
         best = [dict(rs[0], time_s=sum(r["time_s"] for r in rs), Bps=sum(r["Bps"] for r in rs) / len(rs))
                 for rs in ranked]
         for r in best[:4] + best[-1:]:
-            log(f"attn bs={bs} splits={r['splits']} cfg={r['config']}{' dot' if r['mha_dot'] else ''}: "
+            log(f"attn bs={bs} splits={r['splits']} cfg={r['config']}: "
                 f"{r['time_s'] * 1e6:.1f} us over ctx {contexts}, mean {r['Bps'] / 1e12:.2f} TB/s")
-        for dot in dots:
-            b = next((r for r in best if r["mha_dot"] == dot), None)
-            if b:
-                log(f"   best with mha_dot={dot}: {b['config']} splits {b['splits']} {b['time_s'] * 1e6:.1f} us")
         size = "small" if bs == 1 else "large"
         chosen[size] = best[0]["config"]
-        if H == Hkv:
-            da.MHA_DOT[size] = best[0]["mha_dot"]
         if bs == 1:  # the engine's split count at batch 1 becomes the winner's
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             tb.TARGET_PROGRAMS_PER_SM = best[0]["splits"] * (H if H == Hkv else Hkv) / sms
     table_ = da.MHA_CONFIG if H == Hkv else da.GQA_CONFIG
     table_.update(chosen)
-    log(f"decode attention configs now {table_}, MHA_DOT {da.MHA_DOT}; "
+    log(f"decode attention configs now {table_}; "
         f"TARGET_PROGRAMS_PER_SM = {tb.TARGET_PROGRAMS_PER_SM:.2f}")
-    RESULT["attn_sweep"] = {"runs": res, "chosen": chosen, "mha_dot": dict(da.MHA_DOT),
+    RESULT["attn_sweep"] = {"runs": res, "chosen": chosen,
                             "target_programs_per_sm": tb.TARGET_PROGRAMS_PER_SM}
+
+
+def _flashinfer_decode(q, kv, r2t, dtype, sm_scale, tensor_cores: bool):
+    """A FlashInfer paged decode over the same pool (one-token pages), planned once; None without the package."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    bs, ctx = r2t.shape
+    H, D = q.shape[1], q.shape[2]
+    Hkv = kv[0][0].shape[1]
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+    w.plan(torch.arange(bs + 1, dtype=torch.int32) * ctx, r2t.flatten().to(torch.int32),
+           torch.ones(bs, dtype=torch.int32), H, Hkv, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=sm_scale)
+    return [(lambda k=k, v=v: w.run(q, (k.unsqueeze(1), v.unsqueeze(1)))) for k, v in kv]
+
+
+@section("attn_layout")
+def bench_attn_layout(name: str):
+    """Decode attention at the offline 1k/1k shape (batch 56, 1.5k context) as the engine lays its KV out: the
+    1024 prompt tokens of each request in consecutive slots, the decoded ones interleaved across the batch (each
+    step allocates one slot per request), vs every request's slots consecutive (what attn_sweep times). Our
+    kernel and FlashInfer's decode (when installed, with and without tensor cores) over the same pool, all eager
+    with 4 layers' KV rotated; outputs compared with ours."""
+    from sglang_backend.runtime.layers.attention import triton_backend as tb
+    from sglang_backend.runtime.layers.attention.triton_ops import decode_attention as da
+
+    cfg = MODELS[name]["config"]
+    dtype = getattr(torch, MODELS[name]["dtype"])
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg["hidden_size"] // H
+    bs, ctx, prompt, n_layers = 56, 1536, 1024, 4
+    n_slots = bs * ctx + 1
+    kv = [(torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype),
+           torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype)) for _ in range(n_layers)]
+    layouts = {"consecutive": (torch.arange(bs * ctx, device="cuda") + 1).view(bs, ctx)}
+    t = torch.arange(ctx, device="cuda")
+    b = torch.arange(bs, device="cuda")[:, None]
+    layouts["engine"] = torch.where(t < prompt, 1 + b * prompt + t, 1 + bs * prompt + (t - prompt) * bs + b)
+    rows = torch.arange(bs, device="cuda")
+    seq = torch.full((bs,), ctx, device="cuda")
+    q = torch.randn(bs, H, D, device="cuda", dtype=dtype)
+    nbytes = 2 * bs * ctx * Hkv * D * q.element_size()
+    counters = torch.zeros(bs * H, dtype=torch.int32, device="cuda")
+    # The engine's split count and scratch for this batch size (no cascade: nothing is shared).
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    heads_per_req = H if H == Hkv else Hkv
+    splits = max(1, min(tb.MAX_KV_SPLITS, -(-int(tb.TARGET_PROGRAMS_PER_SM * sms) // (bs * heads_per_req))))
+    mid_o = torch.empty(bs, H, splits, D, device="cuda", dtype=torch.float32)
+    mid_lse = torch.empty(bs, H, splits, device="cuda", dtype=torch.float32)
+    res = {}
+    for lname, r2t in layouts.items():
+        outs = {}
+        kernels = {}
+        o = torch.empty_like(q)
+        kernels["ours"] = (o, [(lambda k=k, v=v: da.decode_attention_fwd(
+            q, k, v, o, r2t, rows, seq, mid_o, mid_lse, splits, D**-0.5, merge_counters=counters)) for k, v in kv])
+        for tc in (False, True):
+            try:
+                fns = _flashinfer_decode(q, kv, r2t, dtype, D**-0.5, tc)
+            except Exception as e:  # noqa: BLE001 - keep our figures
+                log(f"flashinfer (tensor cores {tc}) failed: {e!r}"[:300])
+                fns = None
+            if fns is not None:
+                kernels["flashinfer" + ("_tc" if tc else "")] = (None, fns)
+        for kname, (o, fns) in kernels.items():
+            def all_layers(fns=fns):
+                for f in fns:
+                    f()
+            dt = statistics.median(cuda_time(all_layers, 10, 3)) / n_layers
+            out = fns[0]() if o is None else (fns[0](), o)[1]
+            outs[kname] = out.float().clone()
+            err = (outs[kname] - outs["ours"]).abs().max().item() if kname != "ours" else 0.0
+            res[f"{lname}_{kname}"] = {"time_s": dt, "Bps": nbytes / dt, "max_abs_diff_vs_ours": err}
+            log(f"attn_layout {lname:12s} {kname:14s}: {dt * 1e6:7.1f} us/layer = {nbytes / dt / 1e12:.2f} TB/s"
+                f" (max |diff| vs ours {err:.2e})")
+    RESULT["attn_layout"] = {"bs": bs, "ctx": ctx, "prompt": prompt, "splits": splits, "runs": res}
+    del kv
+    torch.cuda.empty_cache()
+
+
+@section("engine_trace")
+def bench_engine_trace(eng, vocab: int):
+    """GPU timeline of the engine's own decode loop (CUDA kernels and copies from the profiler, scheduler and
+    graph replays as in serving) at batch 1 and 64, 1k context: per decode step, kernel time by kernel, the
+    time the GPU sits idle, and the largest idle gaps with the kernels around them. The traces go to $OUT."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir = os.path.dirname(OUT_PATH)
+    g = torch.Generator().manual_seed(13)
+    res = {}
+    for bs, steps in ((1, 48), (64, 24)):
+        prompts = [rand_ids(1024, g, vocab) for _ in range(bs)]
+        sp = {"max_new_tokens": steps, "ignore_eos": True, "temperature": 0}
+        eng.flush_cache()
+        eng.generate(input_ids=prompts, sampling_params=dict(sp, max_new_tokens=4))  # warm
+        eng.flush_cache()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            eng.generate(input_ids=prompts, sampling_params=sp)
+            wall = time.perf_counter() - t0
+        path = os.path.join(out_dir, f"engine_trace_bs{bs}.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            evs = [e for e in json.load(f)["traceEvents"]
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        import gzip
+
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
+            z.write(f.read())
+        os.remove(path)
+        evs.sort(key=lambda e: e["ts"])
+        attn = [e for e in evs if "decode_stage1" in e["name"]]
+        layers = MODELS[RESULT["model"]]["config"]["num_hidden_layers"]
+        n_steps = len(attn) // layers
+        if n_steps < 3:
+            log(f"engine_trace bs={bs}: only {len(attn)} decode attention kernels seen")
+            continue
+        # The window: from the first decode step's first attention kernel to the last step's (whole steps).
+        t_lo, t_hi = attn[0]["ts"], attn[(n_steps - 1) * layers]["ts"]
+        win = [e for e in evs if t_lo <= e["ts"] < t_hi]
+        busy, end, gaps = 0.0, t_lo, []
+        prev = None
+        for e in win:
+            s, f_ = e["ts"], e["ts"] + e["dur"]
+            if s > end:
+                gaps.append((s - end, prev["name"][:60] if prev else "", e["name"][:60]))
+            busy += max(0.0, f_ - max(s, end))
+            if f_ > end:
+                end, prev = f_, e
+        span = t_hi - t_lo
+        per = n_steps - 1
+        by_name: dict = {}
+        for e in win:
+            k = e["name"][:70]
+            c, tt = by_name.get(k, (0, 0.0))
+            by_name[k] = (c + 1, tt + e["dur"])
+        top = sorted(by_name.items(), key=lambda kv_: -kv_[1][1])
+        gaps.sort(reverse=True)
+        big = sum(gp for gp, *_ in gaps if gp >= 5)
+        log(f"engine_trace bs={bs}: {per} steps, {span / per / 1e3:.3f} ms/step, GPU busy {busy / per / 1e3:.3f} "
+            f"ms/step, idle {(span - busy) / per / 1e3:.3f} ms/step ({big / per / 1e3:.3f} in gaps >= 5 us); "
+            f"generate wall {wall:.2f} s")
+        for k, (c, tt) in top[:16]:
+            log(f"   {tt / per / 1e3:8.3f} ms/step {c / per:6.1f}x  {k}")
+        for gp, a, b_ in gaps[:8]:
+            log(f"   gap {gp:8.1f} us after {a} before {b_}")
+        res[f"bs{bs}"] = {"steps": per, "step_ms": span / per / 1e3, "busy_ms": busy / per / 1e3,
+                          "idle_ms": (span - busy) / per / 1e3, "idle_in_gaps_ge5us_ms": big / per / 1e3,
+                          "kernels": [[k, c / per, tt / per / 1e3] for k, (c, tt) in top[:30]],
+                          "largest_gaps_us": gaps[:20], "trace": path + ".gz"}
+    eng.flush_cache()
+    RESULT["engine_trace"] = res
 
 
 @section("gemv_sweep")
@@ -905,7 +1056,8 @@ def bench_profile(eng):
         fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, 1000, (bs,), device="cuda"),
                           torch.full((bs,), ctx - 1, device="cuda"), torch.stack([p[-1] for p in per]),
                           torch.tensor(rows, device="cuda"), torch.full((bs,), ctx, device="cuda"), [ctx] * bs,
-                          logits_indices=torch.arange(bs, device="cuda"))
+                          logits_indices=torch.arange(bs, device="cuda"),
+                          shared_first_slot=mr.req_to_token_pool.same_first_slot(rows))
         gr = mr.graph_runner
         mr.graph_runner = None
         try:
@@ -1038,12 +1190,15 @@ def main(argv=None):
         bench_pdl_probe()
     if "attn_sweep" in only:
         bench_attn_sweep(name)
+    if "attn_layout" in only:
+        bench_attn_layout(name)
     if "gemv_sweep" in only:
         bench_gemv_sweep(name)
     if "hf" in only:
         bench_hf(name, args)
     model_dir = make_model_dir(name)
-    if only & {"runner", "gemv_step_sweep", "runner_shared", "engine_decode", "shared", "offline", "profile", "cpu_profile"}:
+    if only & {"runner", "gemv_step_sweep", "runner_shared", "engine_decode", "engine_trace", "shared", "offline", "profile",
+                "cpu_profile"}:
         eng = make_engine(model_dir, spec["dtype"], mem_fraction_static=args.mem_fraction_static)
         RESULT["engine"] = {"max_total_num_tokens": eng.scheduler.model_runner.max_total_num_tokens,
                             "capture_bs": getattr(eng.scheduler.model_runner.graph_runner, "capture_bs", None)}
@@ -1057,6 +1212,8 @@ def main(argv=None):
             bench_runner_shared(eng, mb)
         if "engine_decode" in only:
             bench_engine_decode(eng, vocab)
+        if "engine_trace" in only:
+            bench_engine_trace(eng, vocab)
         if "cpu_profile" in only:
             bench_cpu_profile(eng, vocab)
         if "shared" in only:

@@ -54,6 +54,7 @@ def _run(model_dir, dtype, prompts=None, **kwargs):
         # Second pass: the prompts are now cached (prefix hits for every request).
         second = [r["output_ids"] for r in eng.generate(input_ids=prompts, sampling_params=sp)]
         stats = eng.get_stats()
+        stats["cascade_steps"] = getattr(eng.scheduler.model_runner.attn_backend, "num_cascade_steps", 0)
         eng.check_pool_whole()
     finally:
         eng.shutdown()
@@ -148,6 +149,8 @@ def test_cascade_decode_matches_torch_native(peaked_model_dir, dtype):
     for kwargs in ({}, {"disable_cuda_graph": True}, {"disable_cascade_attention": True}):
         out, out2, stats = _run(peaked_model_dir, dtype, prompts, attention_backend="triton", **kwargs)
         assert stats["cache_hit_rate"] > 0.5
+        # Batches of >= 8 requests behind the shared prefix run in cascade mode (unless disabled).
+        assert (stats["cascade_steps"] > 0) == ("disable_cascade_attention" not in kwargs), stats["cascade_steps"]
         _same_greedy(ref_ids, ref_top, [r[0] for r in out], dtype, f"triton {kwargs}")
         _same_greedy(ref_ids, ref_top, out2, dtype, f"triton {kwargs}, cached prefixes")
 

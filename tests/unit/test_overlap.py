@@ -117,3 +117,39 @@ def test_overlap_abort_and_failed_launch(engine):
     finally:
         runner.forward = real_forward
         sched.overlap = None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_batches_know_whether_they_share_a_first_slot(engine, overlap):
+    """Each decode batch tells the attention backend whether all its requests' KV starts at the same slot
+    (only then can cascade attention share a prefix): yes behind a cached common prefix, no for unrelated
+    prompts; in the synchronous and the overlapped loop."""
+    sched = engine.scheduler
+    mr = sched.model_runner
+    seen = []
+    real_forward = mr.forward
+
+    def spy(fb):
+        if fb.forward_mode.is_decode():
+            seen.append((fb.batch_size, fb.shared_first_slot))
+        return real_forward(fb)
+
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    engine.flush_cache()
+    mr.forward = spy
+    sched.overlap = OverlapDecoder(sched) if overlap else None
+    try:
+        shared, unrelated = _prompts()[:3], _prompts()[3:]
+        engine.generate(input_ids=shared, sampling_params=sp)  # caches the common prefix
+        seen.clear()
+        engine.generate(input_ids=shared, sampling_params=sp)  # every request now starts on the cached slots
+        behind_prefix = list(seen)
+        seen.clear()
+        engine.generate(input_ids=unrelated, sampling_params=sp)
+        apart = list(seen)
+        engine.check_pool_whole()
+    finally:
+        mr.forward = real_forward
+        sched.overlap = None
+    assert behind_prefix and all(s for _, s in behind_prefix), behind_prefix
+    assert any(bs > 1 for bs, _ in apart) and all(not s for bs, s in apart if bs > 1), apart

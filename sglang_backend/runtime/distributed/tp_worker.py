@@ -49,8 +49,9 @@ logger = logging.getLogger(__name__)
 
 # The step header: HEADER_INTS int64, the first _META of them these fields, then the host integers inline.
 HEADER_INTS = 1024
-(H_KIND, H_MODE, H_TOKENS, H_BS, H_LOGITS, H_MM, H_PREFIX_LENS, H_EXTEND_LENS, H_WRITES, H_CPU_INTS) = range(10)
-_META = 10
+(H_KIND, H_MODE, H_TOKENS, H_BS, H_LOGITS, H_MM, H_PREFIX_LENS, H_EXTEND_LENS, H_WRITES, H_CPU_INTS,
+ H_SHARED_FIRST_SLOT) = range(11)
+_META = 11
 INLINE_INTS = HEADER_INTS - _META
 EXIT, FORWARD = 0, 1
 _MODES = [ForwardMode.EXTEND, ForwardMode.DECODE]
@@ -120,7 +121,7 @@ def encode_step(fb: ForwardBatch, writes: torch.Tensor) -> tuple[torch.Tensor, t
     header[:_META] = _ints([
         FORWARD, _MODES.index(fb.forward_mode), len(fb.input_ids), fb.batch_size,
         -1 if fb.logits_indices is None else len(fb.logits_indices), fb.mm_inputs is not None,
-        len(fb.extend_prefix_lens_cpu), len(fb.extend_seq_lens_cpu), len(writes), len(host)])
+        len(fb.extend_prefix_lens_cpu), len(fb.extend_seq_lens_cpu), len(writes), len(host), fb.shared_first_slot])
     inline = len(host) <= INLINE_INTS
     if inline:
         header[_META : _META + len(host)] = host
@@ -150,14 +151,15 @@ def payload_len(header: torch.Tensor) -> int:
 def decode_step(header: torch.Tensor, overflow: torch.Tensor, payload: torch.Tensor,
                 mm_inputs=None) -> tuple[ForwardBatch, torch.Tensor]:
     """The inverse of ``encode_step``: (the ForwardBatch, the flat table writes)."""
-    (_, mode, tokens, bs, logits, _, n_prefix, n_extend, n_writes, n_host) = header[:_META].tolist()
+    (_, mode, tokens, bs, logits, _, n_prefix, n_extend, n_writes, n_host, shared) = header[:_META].tolist()
     host = header[_META : _META + n_host] if n_host <= INLINE_INTS else overflow
     seq_lens_cpu, prefix_lens, extend_lens, writes = host.split([bs, n_prefix, n_extend, n_writes])
     sizes = _field_sizes(header)
     fields = [f[:n] for f, n in zip(payload.split([_padded(n) for n in sizes]), sizes)]
     fb = ForwardBatch(_MODES[mode], *fields[:5], seq_lens_cpu=seq_lens_cpu.tolist(),
                       extend_prefix_lens_cpu=prefix_lens.tolist(), extend_seq_lens_cpu=extend_lens.tolist(),
-                      logits_indices=fields[5] if logits >= 0 else None, mm_inputs=mm_inputs)
+                      logits_indices=fields[5] if logits >= 0 else None, mm_inputs=mm_inputs,
+                      shared_first_slot=bool(shared))
     return fb, writes
 
 

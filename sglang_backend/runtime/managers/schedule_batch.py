@@ -149,7 +149,7 @@ class ScheduleBatch:
     # Rows of the flattened batch whose logits are computed, per request (empty for a mid-prompt chunk).
     logit_rows: list[list[int]] = field(default_factory=list)
 
-    def to_forward_batch(self, device: str) -> ForwardBatch:
+    def to_forward_batch(self, device: str, req_to_token_pool=None) -> ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         if self.forward_mode.is_decode():
@@ -158,7 +158,9 @@ class ScheduleBatch:
                 positions.append(r.kv_len)
             seq_lens = [r.kv_len + 1 for r in self.reqs]
             logits_indices = list(range(len(self.reqs)))
+            shared = req_to_token_pool is None or req_to_token_pool.same_first_slot([r.req_pool_idx for r in self.reqs])
         else:
+            shared = True
             logits_indices = []
             for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
                 all_ids = r.all_ids
@@ -180,4 +182,5 @@ class ScheduleBatch:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             mm_inputs=[r.mm_inputs for r in self.reqs] if any(r.mm_inputs for r in self.reqs)
             and self.forward_mode.is_extend() else None,
+            shared_first_slot=shared,
         )

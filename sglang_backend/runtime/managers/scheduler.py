@@ -500,7 +500,7 @@ class Scheduler:
     def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
         if self.fault_injector is not None:
             self.fault_injector.before_forward(batch.reqs)
-        fb = batch.to_forward_batch(self.device)
+        fb = batch.to_forward_batch(self.device, self.req_to_token_pool)
         t0 = time.perf_counter()
         logits = self.model_runner.forward(fb)
         self.stats.forward_seconds += time.perf_counter() - t0

@@ -45,6 +45,14 @@ class ReqToTokenPool:
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
 
+    def same_first_slot(self, rows: list[int]) -> bool:
+        """Whether these requests' KV all starts at the same slot (only then may they share a prefix). True
+        when the table is on a GPU (unknown without a device sync)."""
+        if self.req_to_token.device.type != "cpu" or not rows:
+            return True
+        first = self.req_to_token[rows, 0]
+        return bool((first == first[0]).all())
+
 
 class MirroredReqToTokenPool(ReqToTokenPool):
     """``req_to_token`` on the host (what the scheduler and the radix cache read and write: plain CPU tensor

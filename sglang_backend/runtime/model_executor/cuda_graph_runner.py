@@ -7,6 +7,10 @@ its KV into the reserved padding slot 0, reading one token of request row 0), re
 captured size and returns the first ``bs`` rows of its logits. Per step that is ~10 tiny copies and one
 ``cudaGraphLaunch`` instead of ~300 kernel launches.
 
+With cascade attention (triton backend, batches of CASCADE_MIN_BS and more) a batch size has two graphs: one
+for batches whose requests all start at the same KV slot (they may share a prefix, read once per batch) and one
+for the rest (no prefix kernel, no separate merge kernel); ``ForwardBatch.shared_first_slot`` picks.
+
 The returned logits live in the graph's output buffer: they are valid until the next replay (the scheduler
 samples from them before the next forward).
 """
@@ -42,8 +46,10 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # Keyed by (batch size, shared_first_slot): with cascade attention, batch sizes from CASCADE_MIN_BS up
+        # have a graph for batches that may share a prefix and one for batches that share none.
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
         self.stream = torch.cuda.Stream(device=dev)
         self.capture()
@@ -69,19 +75,20 @@ class CudaGraphRunner:
         backend = self.mr.attn_backend
         torch.cuda.synchronize()
         for bs in reversed(self.capture_bs):  # largest first: smaller graphs reuse its memory pool
-            fb = self._batch(bs)
-            backend.init_forward_metadata_capture(bs)
-            with torch.cuda.stream(self.stream):
-                for _ in range(2):  # compile the kernels, warm cuBLAS outside the capture
-                    self.mr._logits_all_rows(fb)
-            self.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                out = self.mr._logits_all_rows(fb)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
+            for shared in backend.decode_graph_variants(bs):
+                fb = self._batch(bs)
+                backend.init_forward_metadata_capture(bs, shared)
+                with torch.cuda.stream(self.stream):
+                    for _ in range(2):  # compile the kernels, warm cuBLAS outside the capture
+                        self.mr._logits_all_rows(fb)
+                self.stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                    out = self.mr._logits_all_rows(fb)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bs, shared] = graph
+                self.outputs[bs, shared] = out
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.capture_bs,
                     time.perf_counter() - t0)
@@ -106,8 +113,9 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:pbs].zero_()  # the reserved padding slot
             self.req_pool_indices[bs:pbs].zero_()
             self.seq_lens[bs:pbs].fill_(1)
+        key = (pbs, fb.shared_first_slot) if (pbs, fb.shared_first_slot) in self.graphs else (pbs, False)
         update = getattr(self.mr.attn_backend, "update_shared_prefix", None)
         if update is not None:  # cascade decode: the graph reads the batch's shared prefix length
-            update(self.mr.req_to_token_pool, self.req_pool_indices[:bs], fb.seq_lens_cpu, pbs)
-        self.graphs[pbs].replay()
-        return self.outputs[pbs][:bs]
+            update(self.mr.req_to_token_pool, self.req_pool_indices[:bs], fb.seq_lens_cpu, pbs, key[1])
+        self.graphs[key].replay()
+        return self.outputs[key][:bs]

@@ -35,6 +35,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     # Extend only, multimodal models: per request its MultimodalInputs (or None); None when no request has any.
     mm_inputs: list | None = None
+    # Decode: False when the scheduler knows the requests' KV does not all start at the same slot, so the batch
+    # shares no prefix and cascade attention (which reads a shared prefix once) is skipped; True when unknown.
+    shared_first_slot: bool = True
     # Filled in by the model runner.
     req_to_token_pool: object = None
     token_to_kv_pool: object = None

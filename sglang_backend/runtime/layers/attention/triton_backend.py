@@ -61,6 +61,7 @@ class TritonAttnBackend(AttentionBackend):
         self.decode_splits = 1
         self.prefix_splits = 0  # > 0: this decode batch runs in cascade mode
         self.prefix_len = torch.zeros(1, dtype=torch.int32, device=self.device)  # read by the kernels (graphs too)
+        self.num_cascade_steps = 0  # decode steps run in cascade mode
         self.positions = torch.arange(model_runner.req_to_token_pool.max_context_len, device=self.device)
         self.forward_metadata = None
 
@@ -73,9 +74,11 @@ class TritonAttnBackend(AttentionBackend):
         progs = bs * self.heads_per_req
         return max(1, min(MAX_KV_SPLITS, -(-self._target_programs() // progs)))
 
-    def num_prefix_splits(self, bs: int) -> int:
-        """Splits of the shared prefix in cascade decode (0: no cascade at this batch size)."""
-        if not self.use_cascade or bs < CASCADE_MIN_BS:
+    def num_prefix_splits(self, bs: int, shared_first_slot: bool = True) -> int:
+        """Splits of the shared prefix in cascade decode (0: no cascade at this batch size, or for a batch whose
+        requests do not all start at the same KV slot: it shares nothing, and the plain kernel merges its splits
+        itself, while cascade mode costs a prefix kernel and a stage-2 kernel per layer)."""
+        if not self.use_cascade or bs < CASCADE_MIN_BS or not shared_first_slot:
             return 0
         progs = num_prefix_programs_per_split(bs, self.num_heads, self.num_kv_heads)
         return max(1, min(MAX_PREFIX_SPLITS, -(-2 * self.num_sms // progs)))
@@ -87,22 +90,29 @@ class TritonAttnBackend(AttentionBackend):
         mid_lse = self.mid_lse[:n].view(bs, self.num_heads, splits)
         return mid_o, mid_lse
 
-    def _set_decode_shape(self, bs: int) -> None:
+    def _set_decode_shape(self, bs: int, shared_first_slot: bool) -> None:
         self.decode_splits = self.num_kv_splits(bs)
-        self.prefix_splits = self.num_prefix_splits(bs)
+        self.prefix_splits = self.num_prefix_splits(bs, shared_first_slot)
         self.forward_metadata = None
 
-    def update_shared_prefix(self, req_to_token_pool, req_pool_indices, seq_lens_cpu, padded_bs: int) -> None:
+    def decode_graph_variants(self, bs: int) -> tuple[bool, ...]:
+        """The ``shared_first_slot`` values whose decode graphs differ at batch size bs (cascade or not)."""
+        return (False, True) if self.num_prefix_splits(bs) else (False,)
+
+    def update_shared_prefix(self, req_to_token_pool, req_pool_indices, seq_lens_cpu, padded_bs: int,
+                             shared_first_slot: bool = True) -> None:
         """Cascade batches: find on the device how many leading KV slots all requests share (no host sync)."""
-        if self.num_prefix_splits(padded_bs):
+        if self.num_prefix_splits(padded_bs, shared_first_slot):
+            self.num_cascade_steps += 1
             shared_prefix_len(device_table(req_to_token_pool), req_pool_indices, min(seq_lens_cpu), self.positions,
                               self.prefix_len)
 
     # Metadata ------------------------------------------------------------------------------------------------
     def init_forward_metadata(self, fb) -> None:
         if fb.forward_mode.is_decode():
-            self._set_decode_shape(fb.batch_size)
-            self.update_shared_prefix(fb.req_to_token_pool, fb.req_pool_indices, fb.seq_lens_cpu, fb.batch_size)
+            self._set_decode_shape(fb.batch_size, fb.shared_first_slot)
+            self.update_shared_prefix(fb.req_to_token_pool, fb.req_pool_indices, fb.seq_lens_cpu, fb.batch_size,
+                                      fb.shared_first_slot)
             return
         prefix = fb.extend_prefix_lens_cpu
         extend = fb.extend_seq_lens_cpu
@@ -119,10 +129,10 @@ class TritonAttnBackend(AttentionBackend):
         meta = meta.to(self.device, non_blocking=True)
         self.forward_metadata = (meta[0, :n], meta[1, :n], meta[2, :n], max(extend) if extend else 0)
 
-    def init_forward_metadata_capture(self, bs: int) -> None:
-        """Decode metadata for a CUDA graph of (padded) batch size bs; the shared prefix length is a device
-        tensor the graph reads, refreshed before each replay (update_shared_prefix)."""
-        self._set_decode_shape(bs)
+    def init_forward_metadata_capture(self, bs: int, shared_first_slot: bool = True) -> None:
+        """Decode metadata for a CUDA graph of (padded) batch size bs; in cascade mode the shared prefix length
+        is a device tensor the graph reads, refreshed before each replay (update_shared_prefix)."""
+        self._set_decode_shape(bs, shared_first_slot)
         self.prefix_len.zero_()
 
     # Attention -----------------------------------------------------------------------------------------------

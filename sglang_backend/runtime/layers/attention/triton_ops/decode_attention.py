@@ -17,9 +17,9 @@ The number of splits is a compile-time constant chosen from the batch size only,
 every sequence length: that is what makes the decode step capturable in a CUDA graph. Empty splits (short
 sequences) write a zero output with lse = -inf, which the merge weights by zero.
 
-MHA (one query head per KV head) uses a vector kernel (or, per MHA_DOT, the grouped one with a single row);
-grouped-query attention packs the query heads of one KV head into the rows of a ``tl.dot`` so each KV tile is
-read once per group.
+Stage 1 packs the query heads of one KV head into the rows of a ``tl.dot`` (at least 16, padded), so each KV
+tile is read once per group; MHA runs the same kernel with one row per program (tensor cores do the products
+of a padded row faster than a vector kernel does them on CUDA cores, measured on an H100).
 """
 
 from __future__ import annotations
@@ -37,99 +37,9 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mha_tile(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2):
-    """One KV tile of the vector (one query row) online softmax: returns the updated (max, sum, acc)."""
-    qk = tl.sum(k.to(tl.float32) * q[None, :], 1) * sm_scale_log2
-    qk = tl.where(mask_n, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new)
-    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
-
-
-@triton.jit
-def _decode_stage1_mha(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse, O, Counters,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, stride_cb,
-    sm_scale_log2,
-    KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FUSE_MERGE: tl.constexpr, HEAD_FASTEST: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
-):
-    if not PRELOAD:
-        pdl_begin(PDL)
-    if HEAD_FASTEST:  # programs launched together read neighbouring heads of the same tokens
-        h = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-    s = tl.program_id(2)
-    kvh = h // KV_GROUP
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    req = tl.load(ReqPoolIdx + b).to(tl.int64)
-    base = 0
-    if HAS_PREFIX:  # the batch-wide shared prefix is attended by _decode_prefix_stage1
-        base = tl.load(PrefixLen).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = base + s * split_len
-    end = tl.minimum(start + split_len, seq_len)
-
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    m_i = tl.zeros([], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    first = start
-    if PRELOAD:
-        # Under PDL: the first tile's keys and values of earlier tokens (stored by earlier steps; the table and
-        # the lengths were written before the step began) are requested before waiting for the kernel before
-        # this one, whose writes (q, this step's K/V) are read only after the wait.
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        old = (mask_n & (offs_n < seq_len - 1))[:, None] & mask_d[None, :]
-        slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k_ptr = K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-        v_ptr = V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
-        k = tl.load(k_ptr, mask=old, other=0.0)
-        v = tl.load(v_ptr, mask=old, other=0.0)
-        pdl_begin(PDL)
-        new = (mask_n & (offs_n == seq_len - 1))[:, None] & mask_d[None, :]
-        k = tl.where(new, tl.load(k_ptr, mask=new, other=0.0), k)
-        v = tl.where(new, tl.load(v_ptr, mask=new, other=0.0), v)
-        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        if start < end:
-            m_i, l_i, acc = _mha_tile(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2)
-        first = start + BLOCK_N
-    else:
-        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    for n0 in range(first, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        # K and V tiles are requested together: twice the bytes in flight per program.
-        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _mha_tile(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2)
-
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    one = tl.arange(0, 1)  # the shared epilogue takes blocks of heads: this program's is one head
-    _finish_split(out[None, :], lse + tl.zeros([1], dtype=tl.float32), MidO, MidLse, O, Counters + b * stride_cb + h,
-                  b, h, one, one < 1, offs_d, mask_d, s, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                  stride_ob, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, 1, FUSE_MERGE)
-
-
-@triton.jit
-def _attend_tile(q, K, V, slot, kvh, mask_n, offs_d, mask_d, m_i, l_i, acc,
-                 stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, IEEE: tl.constexpr):
-    """One KV tile of an online-softmax attention for a block of query rows (``tl.dot``): the tile's keys
-    and values are read from the pool slots ``slot`` of KV head ``kvh``; returns the updated (max, sum, acc)."""
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+def _attend_kv(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr):
+    """One KV tile (``k``, ``v`` [BLOCK_N, BLOCK_D], loaded) of an online-softmax attention for a block of
+    query rows (``tl.dot``): returns the updated (max, sum, acc)."""
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -139,7 +49,6 @@ def _attend_tile(q, K, V, slot, kvh, mask_n, offs_d, mask_d, m_i, l_i, acc,
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -148,17 +57,30 @@ def _attend_tile(q, K, V, slot, kvh, mask_n, offs_d, mask_d, m_i, l_i, acc,
 
 
 @triton.jit
-def _decode_stage1_gqa(
+def _attend_tile(q, K, V, slot, kvh, mask_n, offs_d, mask_d, m_i, l_i, acc,
+                 stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, IEEE: tl.constexpr):
+    """_attend_kv over the keys and values in the pool slots ``slot`` of KV head ``kvh`` (K and V requested
+    together: twice the bytes in flight per program)."""
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    return _attend_kv(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, IEEE)
+
+
+@triton.jit
+def _decode_stage1(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse, O, Counters,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, stride_cb,
     sm_scale_log2,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr, PRELOAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
-    if HEAD_FASTEST:
+    if not PRELOAD:
+        pdl_begin(PDL)
+    if HEAD_FASTEST:  # programs launched together read neighbouring heads of the same tokens
         kvh = tl.program_id(0)
         b = tl.program_id(1)
     else:
@@ -179,13 +101,35 @@ def _decode_stage1_gqa(
     heads = kvh * KV_GROUP + offs_h
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q_mask = mask_h[:, None] & mask_d[None, :]
+    first = start
+    if PRELOAD:
+        # Under PDL: the first tile's keys and values of earlier tokens (stored by earlier steps; the table, the
+        # lengths and the prefix length were written before the step began) are requested before waiting for
+        # the kernel before this one, whose writes (q, this step's K/V) are read only after the wait.
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        old = (mask_n & (offs_n < seq_len - 1))[:, None] & mask_d[None, :]
+        slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k_ptr = K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+        v_ptr = V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+        k = tl.load(k_ptr, mask=old, other=0.0)
+        v = tl.load(v_ptr, mask=old, other=0.0)
+        pdl_begin(PDL)
+        new = (mask_n & (offs_n == seq_len - 1))[:, None] & mask_d[None, :]
+        k = tl.where(new, tl.load(k_ptr, mask=new, other=0.0), k)
+        v = tl.where(new, tl.load(v_ptr, mask=new, other=0.0), v)
+        q = tl.load(q_ptr, mask=q_mask, other=0.0)
+        if start < end:
+            m_i, l_i, acc = _attend_kv(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, IEEE)
+        first = start + BLOCK_N
+    else:
+        q = tl.load(q_ptr, mask=q_mask, other=0.0)
+    for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -315,16 +259,13 @@ def _decode_stage2(
 
 # Launch parameters of stage 1, (BLOCK_N, num_warps, num_stages, head_fastest), for small batches (the
 # sequence split many ways) and large ones; tuned on H100/H200 (benchmarks/bench_gpu.py --only attn_sweep).
-# H100, 1k context: MHA 64x32x128 reads 2.65 TB/s (copy: 3.0), GQA 64x8x128 2.68 TB/s; the head order mattered
-# by ~1% only. MHA at batch 1 (32x128, 16 splits, merge fused): 12.5 us with 64-token tiles and 2 warps.
-MHA_CONFIG = {"small": [64, 2, 1, True], "large": [128, 4, 2, False]}
-# MHA through the grouped kernel instead (one query row padded to a 16-row tl.dot: tensor cores do the
-# products that the vector kernel does on CUDA cores); per batch-size class, set by attn_sweep's winner.
-MHA_DOT = {"small": False, "large": False}
-# The vector MHA kernel requests its first tile of earlier tokens' K/V before its PDL wait, overlapping that
-# latency with the tail of the qkv GEMV before it (SGLANG_BACKEND_ATTN_PRELOAD=1; off until measured: bench_gpu
-# runner times both).
-PRELOAD_KV = os.environ.get("SGLANG_BACKEND_ATTN_PRELOAD", "0") == "1"
+# H100 (session 5 sweep), MHA through tl.dot: batch 1 at 1k context 11.1 us per layer (16 splits of 64-token
+# tiles; a vector kernel on CUDA cores, since removed, took 11.9); batch 64 over 1k + 2k context 2.99 TB/s, the
+# copy rate (the vector kernel: 2.7).
+MHA_CONFIG = {"small": [64, 2, 1, True], "large": [64, 4, 3, False]}
+# Stage 1 requests its first tile of earlier tokens' K/V before its PDL wait, overlapping that latency with the
+# tail of the qkv GEMV before it (SGLANG_BACKEND_ATTN_PRELOAD=0 turns it off; bench_gpu runner times both).
+PRELOAD_KV = os.environ.get("SGLANG_BACKEND_ATTN_PRELOAD", "1") != "0"
 GQA_CONFIG = {"small": [64, 4, 2, True], "large": [128, 4, 2, False]}
 LARGE_BATCH = 16
 
@@ -343,7 +284,7 @@ def num_prefix_programs_per_split(bs: int, num_heads: int, num_kv_heads: int) ->
 def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                          num_splits: int, sm_scale: float, config: tuple | None = None,
                          prefix_len=None, prefix_splits: int = 0, merge_counters=None,
-                         mha_dot: bool | None = None, preload: bool | None = None) -> None:
+                         preload: bool | None = None) -> None:
     """q, o: [bs, H, D]; k_buf, v_buf: [slots, Hkv, D]; mid_o: >= [bs, H, num_splits + prefix_splits, D] fp32
     and mid_lse: >= [bs, H, num_splits + prefix_splits] fp32 scratch (any leading layout given by their strides).
 
@@ -354,8 +295,8 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
 
     ``merge_counters``: int32 zeros, >= bs * num_heads, owned by the caller and left zero by every launch; with
     them (and outside cascade mode) stage 2 is folded into stage 1 (see the module docstring).
-    ``mha_dot``: MHA through the grouped (tl.dot) kernel; None: as MHA_DOT says for this batch size.
-    ``preload``: the vector MHA kernel requests its first KV tile before its PDL wait; None: PRELOAD_KV."""
+    ``preload``: stage 1 requests its first KV tile before its PDL wait; None: PRELOAD_KV under PDL (without
+    PDL there is nothing to overlap; forcing it there checks that the result is the same)."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -377,28 +318,17 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
               mid_o, mid_lse, o, merge_counters if fuse_merge else seq_lens) + strides
     size = "large" if bs >= LARGE_BATCH else "small"
     launch = pdl.launch_args(q)
-    if group == 1 and not (MHA_DOT[size] if mha_dot is None else mha_dot):
-        block_n, warps, stages, head_fastest = config or MHA_CONFIG[size]
-        if block_d > 128:
-            block_n = min(block_n, 32)
-        grid = (num_heads, bs, num_splits) if head_fastest else (bs, num_heads, num_splits)
-        _decode_stage1_mha[grid](
-            *common, o.stride(0), o.stride(1), num_heads, scale_log2, KV_GROUP=1, HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, BLOCK_S=block_s, FUSE_MERGE=fuse_merge,
-            HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix, PRELOAD=PRELOAD_KV if preload is None else preload,
-            num_warps=warps, num_stages=stages, **launch,
-        )
-    else:
-        block_n, warps, stages, head_fastest = config or (MHA_CONFIG if group == 1 else GQA_CONFIG)[size]
-        if block_d > 128:
-            block_n = min(block_n, 32)
-        grid = (num_kv_heads, bs, num_splits) if head_fastest else (bs, num_kv_heads, num_splits)
-        _decode_stage1_gqa[grid](
-            *common, o.stride(0), o.stride(1), num_kv_heads, scale_log2, KV_GROUP=group, HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
-            BLOCK_S=block_s, FUSE_MERGE=fuse_merge, IEEE=ieee, HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix,
-            num_warps=warps, num_stages=stages, **launch,
-        )
+    block_n, warps, stages, head_fastest = config or (MHA_CONFIG if group == 1 else GQA_CONFIG)[size]
+    if block_d > 128:
+        block_n = min(block_n, 32)
+    grid = (num_kv_heads, bs, num_splits) if head_fastest else (bs, num_kv_heads, num_splits)
+    _decode_stage1[grid](
+        *common, o.stride(0), o.stride(1), num_kv_heads, scale_log2, KV_GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
+        BLOCK_S=block_s, FUSE_MERGE=fuse_merge, IEEE=ieee, HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix,
+        PRELOAD=PRELOAD_KV and launch["PDL"] if preload is None else preload,
+        num_warps=warps, num_stages=stages, **launch,
+    )
     if fuse_merge:
         return
     total_splits = num_splits
