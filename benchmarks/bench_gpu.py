@@ -303,18 +303,13 @@ def bench_runner(eng, mb: dict, name: str):
 
     from sglang_backend.runtime.layers.attention import triton_backend as tb
 
-    from sglang_backend.runtime.layers.attention.triton_ops import decode_attention as da
-
-    default_preload = da.PRELOAD_KV
-
-    def configure(gemv_mode, use_pdl, fused_merge=tb.FUSED_MERGE, preload=default_preload):
-        """Batch-1 linears (cuBLAS / Triton GEMV / fused GEMV), PDL, the decode attention's merge (folded
-        into stage 1 or a stage-2 kernel) and its KV preload before the PDL wait; the graphs are recaptured."""
+    def configure(gemv_mode, use_pdl, fused_merge=tb.FUSED_MERGE):
+        """Batch-1 linears (cuBLAS / Triton GEMV / fused GEMV), PDL and the decode attention's merge (folded
+        into stage 1 or a stage-2 kernel); the graphs are recaptured."""
         if mr.executor is not None:
             mr.executor.gemv_mode = gemv_mode
         if hasattr(mr.attn_backend, "fused_merge"):
             mr.attn_backend.fused_merge = fused_merge
-        da.PRELOAD_KV = preload
         pdl.set_enabled(use_pdl)
         mr.graph_runner = None
         gc.collect()
@@ -322,15 +317,13 @@ def bench_runner(eng, mb: dict, name: str):
 
     # Each (batch, linears, PDL, fused merge) variant; the product defaults become "decode_bs1"/"decode_bs64".
     fused_ok = mr.executor is not None
-    # (The KV preload only acts under PDL.)
-    variants = [(1, m, p, f, pre) for m, p, f, pre in (
-        ("fused_rope", True, True, True), ("fused_rope", True, True, False), ("fused_rope", False, True, False),
-        ("fused_rope", False, False, False), ("fused", True, True, True), ("on", True, True, True),
-        ("off", True, True, True)) if fused_ok or m == "off"]
-    variants += [(64, "off", True, True, True), (64, "off", True, True, False), (64, "off", False, True, False)]
-    for bs, gemv_mode, use_pdl, fused_merge, preload in variants:
+    variants = [(1, m, p, f) for m, p, f in (
+        ("fused_rope", True, True), ("fused_rope", False, True), ("fused_rope", False, False), ("fused", True, True),
+        ("on", True, True), ("off", True, True)) if fused_ok or m == "off"]
+    variants += [(64, "off", True, True), (64, "off", False, True)]
+    for bs, gemv_mode, use_pdl, fused_merge in variants:
         ctx = 1024
-        configure(gemv_mode, use_pdl, fused_merge, preload)
+        configure(gemv_mode, use_pdl, fused_merge)
         rows, slots, per = _alloc_requests(mr, [ctx] * bs)
         fb = ForwardBatch(ForwardMode.DECODE, torch.randint(3, V, (bs,), device="cuda"),
                           torch.full((bs,), ctx - 1, device="cuda"), torch.stack([p[-1] for p in per]),
@@ -352,15 +345,14 @@ def bench_runner(eng, mb: dict, name: str):
         floor_bytes = mb["weight_bytes"] + bs * ctx * mb["kv_bytes_per_token"]
         floor = floor_bytes / bw if bw else None
         step = statistics.median(pipelined)
-        key = (f"decode_bs{bs}_{gemv_mode}_{'pdl' if use_pdl else 'nopdl'}{'' if fused_merge else '_stage2'}"
-               + ("_preload" if preload else ""))
-        res[key] = {"gemv_mode": gemv_mode, "pdl": use_pdl, "fused_merge": fused_merge, "preload": preload,
+        key = f"decode_bs{bs}_{gemv_mode}_{'pdl' if use_pdl else 'nopdl'}{'' if fused_merge else '_stage2'}"
+        res[key] = {"gemv_mode": gemv_mode, "pdl": use_pdl, "fused_merge": fused_merge,
                     "ctx": ctx, "step_s": step,
                     "step_synced_s": statistics.median(t_sync), "floor_bytes": floor_bytes, "floor_s": floor,
                     "ratio_to_floor": step / floor if floor else None, "achieved_Bps": floor_bytes / step}
         log(f"decode bs={bs} ctx={ctx} [{key}]: {step * 1e3:.3f} ms (synced {statistics.median(t_sync) * 1e3:.3f} ms); "
             f"floor {floor * 1e3 if floor else float('nan'):.3f} ms; ratio {step / floor if floor else float('nan'):.3f}")
-        if use_pdl and fused_merge and preload and gemv_mode in ("fused_rope", "off"):  # eager, for the record
+        if use_pdl and fused_merge and gemv_mode in ("fused_rope", "off"):  # eager, for the record
             gr = mr.graph_runner
             mr.graph_runner = None
             try:
@@ -378,7 +370,7 @@ def bench_runner(eng, mb: dict, name: str):
     for bs in (1, 64):
         best = min((k for k in res if k.startswith(f"decode_bs{bs}_")), key=lambda k: res[k]["step_s"])
         key = (f"decode_bs{bs}_{default_mode if bs == 1 else 'off'}_{'pdl' if default_pdl else 'nopdl'}"
-               + ("" if tb.FUSED_MERGE else "_stage2") + ("_preload" if default_preload and default_pdl else ""))
+               + ("" if tb.FUSED_MERGE else "_stage2"))
         res[f"decode_bs{bs}"] = dict(res[key], variant=key, fastest_variant=best)
         log(f"decode bs={bs}: default {key} {res[key]['step_s'] * 1e3:.3f} ms; fastest {best}")
     configure(default_mode, None)

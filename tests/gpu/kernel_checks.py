@@ -72,7 +72,7 @@ def _worst_decode_err(q, o, k_buf, v_buf, req_to_token, rows, seq_lens, scale) -
 
 
 def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num_splits, seed=0,
-                 fused_merge=False, preload=None, return_output=False):
+                 fused_merge=False):
     """Split-KV decode vs the float64 reference; with ``fused_merge`` the merge runs inside stage 1 (split
     counters), launched twice on the same counters, which must be left zero."""
     from sglang_backend.runtime.layers.attention.triton_ops.decode_attention import decode_attention_fwd
@@ -96,13 +96,10 @@ def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num
         for _ in range(2):  # the second launch finds the counters as the first left them
             o.fill_(float("nan"))
             decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale,
-                                 merge_counters=counters, preload=preload)
+                                 merge_counters=counters)
             assert int(counters.abs().sum()) == 0, f"split counters not reset: {counters.tolist()}"
     else:
-        decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale,
-                             preload=preload)
-    if return_output:
-        return o
+        decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale)
     return _worst_decode_err(q, o, k_buf, v_buf, req_to_token, rows, seq_lens, scale)
 
 

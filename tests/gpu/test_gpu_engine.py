@@ -13,17 +13,26 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def peaked_model_dir(tmp_path_factory):
-    """A small random Llama (GQA) whose logits have clear winners (larger init std), so greedy decoding is
-    insensitive to rounding-level differences between attention implementations."""
+def _peaked_model(tmp_path_factory, hidden_size: int) -> str:
+    """A small random Llama (GQA, 8 query heads, 2 KV heads) whose logits have clear winners (larger init
+    std), so greedy decoding is insensitive to rounding-level differences between attention implementations."""
     from sglang_backend.runtime.model_loader.loader import dummy_config, save_dummy_hf_model
 
     out = str(tmp_path_factory.mktemp("gpu_dummy"))
-    cfg = dummy_config(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                       num_key_value_heads=2, vocab_size=1024, max_position_embeddings=2048,
+    cfg = dummy_config(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=2048,
                        initializer_range=0.2)
     return save_dummy_hf_model(cfg, out, seed=0)
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tmp_path_factory):  # head size 32
+    return _peaked_model(tmp_path_factory, 256)
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir_hd64(tmp_path_factory):  # head size 64 (FlashInfer's prefill has no 32)
+    return _peaked_model(tmp_path_factory, 512)
 
 
 def _prompts():
@@ -97,16 +106,19 @@ def test_triton_matches_torch_native(peaked_model_dir, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_flashinfer_matches_torch_native(peaked_model_dir, dtype):
+def test_flashinfer_matches_torch_native(peaked_model_dir_hd64, peaked_model_dir, dtype):
     """--attention-backend flashinfer (needs the flashinfer-python package): prefill/append over cached
-    prefixes and decode through FlashInfer's paged wrappers give torch_native's greedy tokens."""
+    prefixes and decode through FlashInfer's paged wrappers give torch_native's greedy tokens; a head size
+    FlashInfer has no kernels for is refused with a clear error when the engine starts."""
     pytest.importorskip("flashinfer")
-    ref, ref2, _ = _run(peaked_model_dir, dtype, attention_backend="torch_native")
-    out, out2, stats = _run(peaked_model_dir, dtype, attention_backend="flashinfer")
+    ref, ref2, _ = _run(peaked_model_dir_hd64, dtype, attention_backend="torch_native")
+    out, out2, stats = _run(peaked_model_dir_hd64, dtype, attention_backend="flashinfer")
     assert stats["cache_hit_rate"] > 0.3
     ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
     _same_greedy(ref_ids, ref_top, [r[0] for r in out], dtype, "flashinfer")
     _same_greedy(ref_ids, ref_top, out2, dtype, "flashinfer, cached prefixes")
+    with pytest.raises(ValueError, match="head sizes"):
+        _run(peaked_model_dir, dtype, attention_backend="flashinfer")
 
 
 def test_flashinfer_kv_page_indices():

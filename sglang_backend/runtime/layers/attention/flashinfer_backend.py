@@ -23,6 +23,8 @@ from ...models.llama import head_dim_of
 from .base import AttentionBackend, device_table
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
+# Head sizes FlashInfer's prefill kernels are built for (others fail inside the kernel dispatch at run time).
+HEAD_DIMS = (64, 128, 256)
 
 
 @triton.jit
@@ -75,6 +77,9 @@ class FlashInferAttnBackend(AttentionBackend):
         self.num_heads = model_runner.num_heads  # this rank's heads
         self.num_kv_heads = model_runner.num_kv_heads
         self.head_dim = head_dim_of(getattr(model_runner, "text_config", None) or model_runner.config)
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"--attention-backend flashinfer supports head sizes {HEAD_DIMS}; this model's is "
+                             f"{self.head_dim}: use --attention-backend triton")
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.num_heads // self.num_kv_heads >= 4)

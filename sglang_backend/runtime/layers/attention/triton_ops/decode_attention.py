@@ -24,8 +24,6 @@ of a padded row faster than a vector kernel does them on CUDA cores, measured on
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -37,9 +35,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_kv(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr):
-    """One KV tile (``k``, ``v`` [BLOCK_N, BLOCK_D], loaded) of an online-softmax attention for a block of
-    query rows (``tl.dot``): returns the updated (max, sum, acc)."""
+def _attend_tile(q, K, V, slot, kvh, mask_n, offs_d, mask_d, m_i, l_i, acc,
+                 stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, IEEE: tl.constexpr):
+    """One KV tile of an online-softmax attention for a block of query rows (``tl.dot``): the tile's keys
+    and values are read from the pool slots ``slot`` of KV head ``kvh``; returns the updated (max, sum, acc)."""
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -49,22 +50,12 @@ def _attend_kv(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
+    v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _attend_tile(q, K, V, slot, kvh, mask_n, offs_d, mask_d, m_i, l_i, acc,
-                 stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, IEEE: tl.constexpr):
-    """_attend_kv over the keys and values in the pool slots ``slot`` of KV head ``kvh`` (K and V requested
-    together: twice the bytes in flight per program)."""
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-    return _attend_kv(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, IEEE)
 
 
 @triton.jit
@@ -75,11 +66,9 @@ def _decode_stage1(
     sm_scale_log2,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr, PRELOAD: tl.constexpr,
-    PDL: tl.constexpr,
+    IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
 ):
-    if not PRELOAD:
-        pdl_begin(PDL)
+    pdl_begin(PDL)
     if HEAD_FASTEST:  # programs launched together read neighbouring heads of the same tokens
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -101,35 +90,13 @@ def _decode_stage1(
     heads = kvh * KV_GROUP + offs_h
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q_mask = mask_h[:, None] & mask_d[None, :]
-    first = start
-    if PRELOAD:
-        # Under PDL: the first tile's keys and values of earlier tokens (stored by earlier steps; the table, the
-        # lengths and the prefix length were written before the step began) are requested before waiting for
-        # the kernel before this one, whose writes (q, this step's K/V) are read only after the wait.
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        old = (mask_n & (offs_n < seq_len - 1))[:, None] & mask_d[None, :]
-        slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k_ptr = K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-        v_ptr = V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
-        k = tl.load(k_ptr, mask=old, other=0.0)
-        v = tl.load(v_ptr, mask=old, other=0.0)
-        pdl_begin(PDL)
-        new = (mask_n & (offs_n == seq_len - 1))[:, None] & mask_d[None, :]
-        k = tl.where(new, tl.load(k_ptr, mask=new, other=0.0), k)
-        v = tl.where(new, tl.load(v_ptr, mask=new, other=0.0), v)
-        q = tl.load(q_ptr, mask=q_mask, other=0.0)
-        if start < end:
-            m_i, l_i, acc = _attend_kv(q, k, v, mask_n, m_i, l_i, acc, sm_scale_log2, IEEE)
-        first = start + BLOCK_N
-    else:
-        q = tl.load(q_ptr, mask=q_mask, other=0.0)
-    for n0 in range(first, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slot = tl.load(ReqToToken + req * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -263,9 +230,8 @@ def _decode_stage2(
 # tiles; a vector kernel on CUDA cores, since removed, took 11.9); batch 64 over 1k + 2k context 2.99 TB/s, the
 # copy rate (the vector kernel: 2.7).
 MHA_CONFIG = {"small": [64, 2, 1, True], "large": [64, 4, 3, False]}
-# Stage 1 requests its first tile of earlier tokens' K/V before its PDL wait, overlapping that latency with the
-# tail of the qkv GEMV before it (SGLANG_BACKEND_ATTN_PRELOAD=0 turns it off; bench_gpu runner times both).
-PRELOAD_KV = os.environ.get("SGLANG_BACKEND_ATTN_PRELOAD", "1") != "0"
+# (Requesting the first KV tile before the PDL wait, to overlap it with the qkv GEMV's tail, was measured
+# slower on an H100: batch 1 5.41 vs 5.20 ms per step, batch 64 17.74 vs 17.33 ms; removed.)
 GQA_CONFIG = {"small": [64, 4, 2, True], "large": [128, 4, 2, False]}
 LARGE_BATCH = 16
 
@@ -283,8 +249,7 @@ def num_prefix_programs_per_split(bs: int, num_heads: int, num_kv_heads: int) ->
 
 def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                          num_splits: int, sm_scale: float, config: tuple | None = None,
-                         prefix_len=None, prefix_splits: int = 0, merge_counters=None,
-                         preload: bool | None = None) -> None:
+                         prefix_len=None, prefix_splits: int = 0, merge_counters=None) -> None:
     """q, o: [bs, H, D]; k_buf, v_buf: [slots, Hkv, D]; mid_o: >= [bs, H, num_splits + prefix_splits, D] fp32
     and mid_lse: >= [bs, H, num_splits + prefix_splits] fp32 scratch (any leading layout given by their strides).
 
@@ -294,9 +259,7 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
     P lives on the device so a CUDA graph captured once serves every step.
 
     ``merge_counters``: int32 zeros, >= bs * num_heads, owned by the caller and left zero by every launch; with
-    them (and outside cascade mode) stage 2 is folded into stage 1 (see the module docstring).
-    ``preload``: stage 1 requests its first KV tile before its PDL wait; None: PRELOAD_KV under PDL (without
-    PDL there is nothing to overlap; forcing it there checks that the result is the same)."""
+    them (and outside cascade mode) stage 2 is folded into stage 1 (see the module docstring)."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -326,7 +289,6 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
         *common, o.stride(0), o.stride(1), num_kv_heads, scale_log2, KV_GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
         BLOCK_S=block_s, FUSE_MERGE=fuse_merge, IEEE=ieee, HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix,
-        PRELOAD=PRELOAD_KV and launch["PDL"] if preload is None else preload,
         num_warps=warps, num_stages=stages, **launch,
     )
     if fuse_merge:
