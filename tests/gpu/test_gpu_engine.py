@@ -73,9 +73,11 @@ def _run(model_dir, dtype, prompts=None, **kwargs):
     return first, second, stats
 
 
-# Greedy outputs must be identical, except that in bf16 (8-bit mantissa: logits carry ~1e-2 of rounding noise)
-# a request may part ways at a near-tie of the reference: its top-2 logprobs closer than this.
-NEAR_TIE = {"float16": 0.0, "float32": 0.0, "bfloat16": 0.1}
+# Greedy outputs must be identical, except that in bf16 a request may part ways at a near-tie of the reference:
+# its top-2 logprobs closer than this. bf16 keeps 8 mantissa bits, so logits of magnitude 8-16 (these models')
+# are spaced 0.0625 apart, and another attention implementation's rounding moves them by a step or two: on an
+# H100, FlashInfer (head size 64) parted from torch_native at token 29 of 32 at a gap of 0.125, two steps.
+NEAR_TIE = {"float16": 0.0, "float32": 0.0, "bfloat16": 0.2}
 
 
 def _same_greedy(ref, ref_top, out, dtype, what):
