@@ -20,8 +20,8 @@ from .triton_ops.fused_ops import store_kv
 
 MAX_KV_SPLITS = 32
 # Stage-1 programs per SM that decode aims for when it splits sequences (num_kv_splits): 16 splits at batch 1
-# for 32 MHA heads on 132 SMs, the fastest in bench_gpu's attn_sweep on an H100 (12.5 us per layer at 1k
-# context vs 14.6 for 17 splits of 128-token tiles); the sweep sets it from its winner for the rest of its run.
+# for 32 MHA heads on 132 SMs, the fastest in bench_gpu's attn_sweep on an H100 (11.1 us per layer at 1k
+# context, vs 11.9 for 32 splits); the sweep sets it from its winner for the rest of its run.
 TARGET_PROGRAMS_PER_SM = 3.875
 # Decode folds the merge of the splits into stage 1 (decode_attention.py: the last split to finish merges);
 # SGLANG_BACKEND_FUSED_MERGE=0 keeps the separate stage-2 kernel (the bench compares both).
