@@ -132,7 +132,8 @@ class OverlapDecoder:
         packed[:, :n] = torch.stack([positions, locs.to(torch.int64), rows, seq_lens, torch.arange(n)])
         d_positions, d_locs, d_rows, d_seq_lens, d_rows_idx = to_device_async(packed, dev)[:, :n].unbind(0)
         fb = ForwardBatch(ForwardMode.DECODE, input_ids, d_positions, d_locs, d_rows, d_seq_lens, seq_lens.tolist(),
-                          logits_indices=d_rows_idx, shared_first_slot=s.req_to_token_pool.same_first_slot(rows.tolist()))
+                          logits_indices=d_rows_idx,
+                          shared_first_slot=s.req_to_token_pool.same_first_slot(rows.tolist()))
         t0 = time.perf_counter()
         try:
             logits = s.model_runner.forward(fb)
