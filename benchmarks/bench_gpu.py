@@ -826,7 +826,7 @@ def bench_attn_sweep(name: str):
         chosen[size] = best[0]["config"]
         if bs == 1:  # the engine's split count at batch 1 becomes the winner's
             sms = torch.cuda.get_device_properties(0).multi_processor_count
-            tb.TARGET_PROGRAMS_PER_SM = best[0]["splits"] * (H if H == Hkv else Hkv) / sms
+            tb.TARGET_PROGRAMS_PER_SM = best[0]["splits"] * Hkv / sms
     table_ = da.MHA_CONFIG if H == Hkv else da.GQA_CONFIG
     table_.update(chosen)
     log(f"decode attention configs now {table_}; "
@@ -880,8 +880,7 @@ def bench_attn_layout(name: str):
     counters = torch.zeros(bs * H, dtype=torch.int32, device="cuda")
     # The engine's split count and scratch for this batch size (no cascade: nothing is shared).
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    heads_per_req = H if H == Hkv else Hkv
-    splits = max(1, min(tb.MAX_KV_SPLITS, -(-int(tb.TARGET_PROGRAMS_PER_SM * sms) // (bs * heads_per_req))))
+    splits = tb.num_kv_splits(bs, Hkv, sms)  # one stage-1 program per (request, KV head, split)
     mid_o = torch.empty(bs, H, splits, D, device="cuda", dtype=torch.float32)
     mid_lse = torch.empty(bs, H, splits, device="cuda", dtype=torch.float32)
     res = {}

@@ -32,6 +32,12 @@ CASCADE_MIN_BS = 8
 MAX_PREFIX_SPLITS = 8
 
 
+def num_kv_splits(bs: int, heads_per_req: int, num_sms: int) -> int:
+    """Splits along the sequence in decode so that bs * heads_per_req * splits fills the GPU (a constant per
+    batch size, so a CUDA graph captured for bs serves every sequence length)."""
+    return max(1, min(MAX_KV_SPLITS, -(-int(TARGET_PROGRAMS_PER_SM * num_sms) // (bs * heads_per_req))))
+
+
 class TritonAttnBackend(AttentionBackend):
     # The model may write K/V into the pool itself (fused with rotary) and call forward(..., save_kv=False).
     supports_fused_kv_store = True
@@ -44,8 +50,8 @@ class TritonAttnBackend(AttentionBackend):
         self.head_dim = head_dim_of(cfg)
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
-        # Programs per (request, split) in decode stage 1: one per query head (MHA) or per KV head (GQA).
-        self.heads_per_req = self.num_heads if self.num_heads == self.num_kv_heads else self.num_kv_heads
+        # Programs per (request, split) in decode stage 1: one per KV head (its query heads are the rows).
+        self.heads_per_req = self.num_kv_heads
         max_bs = int(model_runner.server_args.max_running_requests)
         # bs * splits <= bs + target programs / heads_per_req for every bs (see num_kv_splits).
         rows = max_bs + self._target_programs() // self.heads_per_req + 1
@@ -69,10 +75,7 @@ class TritonAttnBackend(AttentionBackend):
         return int(TARGET_PROGRAMS_PER_SM * self.num_sms)
 
     def num_kv_splits(self, bs: int) -> int:
-        """Splits along the sequence in decode so that bs * heads * splits fills the GPU (a constant per
-        batch size, so a CUDA graph captured for bs serves every sequence length)."""
-        progs = bs * self.heads_per_req
-        return max(1, min(MAX_KV_SPLITS, -(-self._target_programs() // progs)))
+        return num_kv_splits(bs, self.heads_per_req, self.num_sms)
 
     def num_prefix_splits(self, bs: int, shared_first_slot: bool = True) -> int:
         """Splits of the shared prefix in cascade decode (0: no cascade at this batch size, or for a batch whose
