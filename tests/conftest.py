@@ -7,11 +7,32 @@ radix nodes, all request slots free.
 from __future__ import annotations
 
 import os
+import resource
+import sys
 
 import pytest
 import torch
 
+from sglang_backend.runtime.model_executor import model_runner
+
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+# In-process test engines get a 512 MiB KV pool instead of the 2 GiB CPU default (the pool is zeroed, so every
+# engine commits all of it): enough for a full SmolLM2 context (8k tokens) at 46 KiB per token. The servers
+# the tests start pass --max-total-tokens themselves.
+TEST_CPU_KV_BUDGET_BYTES = 512 << 20
+model_runner.CPU_KV_BUDGET_BYTES = TEST_CPU_KV_BUDGET_BYTES
+PEAK_RSS_WARN_GIB = 12
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's memory: peak RSS of this pytest process and of the largest finished child (a test server)."""
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale / 2**30
+    terminalreporter.write_line(f"peak RSS: pytest {own:.2f} GiB, largest child process {child:.2f} GiB")
+    if own > PEAK_RSS_WARN_GIB:
+        terminalreporter.write_line(f"warning: pytest's peak RSS is over {PEAK_RSS_WARN_GIB} GiB", yellow=True)
 
 
 def _tiny_dir(tmp_path_factory, name: str, **overrides) -> str:

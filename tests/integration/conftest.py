@@ -116,10 +116,13 @@ class ServerHandle:
         self.log_path = os.path.join(self.log_dir, f"server-{self.starts}.log")
         env = dict(os.environ)
         threads = os.environ.get("SGLANG_TEST_SERVER_THREADS", "1")
+        # SGLANG_BACKEND_DIE_WITH_PARENT: a SIGKILLed pytest takes its servers with it (no orphans).
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1",
-                   TOKENIZERS_PARALLELISM="false", **self.extra_env)
+                   TOKENIZERS_PARALLELISM="false", SGLANG_BACKEND_DIE_WITH_PARENT="1", **self.extra_env)
         cmd = [sys.executable, "-m", "sglang_backend.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--api-key", self.api_key, "--log-level", "warning", *self.extra_args]  # no --model-path: the embedded default
+               "--api-key", self.api_key, "--log-level", "warning",
+               # A 540 MiB KV pool (SmolLM2: 46 KiB a token), not the 2 GiB default; extra_args may override it.
+               "--max-total-tokens", "12288", *self.extra_args]  # no --model-path: the embedded default
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
         self.url = f"http://127.0.0.1:{port}"

@@ -114,7 +114,8 @@ def dp_cluster(tiny_gqa_dir, tmp_path_factory):
     """``serve --dp 2`` (router: cache_aware) + a round_robin router over the same workers."""
     log_dir = tmp_path_factory.mktemp("dp")
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               SGLANG_BACKEND_DIE_WITH_PARENT="1")
     cmd = [sys.executable, "-m", "sglang_backend.cli", "serve", "--model-path", tiny_gqa_dir, "--dp", "2",
            "--port", str(port), "--log-level", "warning", "--max-total-tokens", "8192"]
     procs, seen = [], {}

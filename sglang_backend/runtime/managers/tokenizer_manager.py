@@ -102,7 +102,18 @@ class TokenizerManager:
 
     # Start-up / shutdown ------------------------------------------------------------------------------------------
     def launch(self) -> None:
-        """Starts the scheduler and detokenizer processes and waits until the model is loaded."""
+        """Starts the scheduler and detokenizer processes and waits until the model is loaded. If that fails or
+        is interrupted (Ctrl-C: the children ignore SIGINT), the processes started so far are stopped.
+
+        Call it from the thread that runs the server to its end (``launch_server``: the main thread): the
+        children die with that thread (PR_SET_PDEATHSIG, see ``utils.die_with_parent``)."""
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _launch(self) -> None:
         from ..model_loader.loader import load_tokenizer, resolve_model_path
         from .detokenizer_manager import run_detokenizer_process
         from .scheduler import run_scheduler_process
@@ -117,6 +128,11 @@ class TokenizerManager:
                                                           sa.allow_local_media)
         self.ipc_dir = tempfile.mkdtemp(prefix="sglang-backend-")
         ipc = {name: f"ipc://{self.ipc_dir}/{name}" for name in ("scheduler_input", "detokenizer_input", "tokenizer_input")}
+        # Idle OpenMP threads of the scheduler's torch must sleep, not spin: between the many small parallel
+        # regions of a CPU decode step, GNU OpenMP's default busy-wait kept a second core 100% busy for no
+        # work, and with other processes on the cores that spinning made each step several times slower
+        # (benchmarks/bench_server_vs_engine.py). Read by libgomp when the child imports torch, so set here.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         sched = ctx.Process(target=run_scheduler_process, args=(sa, ipc, child_conn), name="sglang-backend-scheduler", daemon=True)
@@ -126,14 +142,13 @@ class TokenizerManager:
         self.recv = self.zmq_ctx.socket(zmq.PULL)
         self.recv.bind(ipc["tokenizer_input"])
         sched.start()
+        self.procs = [sched]
         detok.start()
         self.procs = [sched, detok]
         if not parent_conn.poll(STARTUP_TIMEOUT_S):
-            self.shutdown()
             raise RuntimeError("the scheduler process did not become ready in time")
         msg = parent_conn.recv()
         if isinstance(msg, SchedulerFailed):
-            self.shutdown()
             raise RuntimeError(f"the scheduler process failed to start: {msg.error}")
         self.info = msg.info
         self.limits = ModelLimits(self.info["context_len"], self.info["max_total_num_tokens"], self.info["vocab_size"])
@@ -155,7 +170,14 @@ class TokenizerManager:
         self.loop_task = asyncio.create_task(self._recv_loop())
         self.watch_task = asyncio.create_task(self._watch_processes())
 
+    def fail_requests(self, reason: str) -> None:
+        """Ends every request in flight with a 503 ``reason`` (the server is stopping); each one's ``generate``
+        then aborts it at the scheduler, freeing its KV."""
+        for state in self.rid_to_state.values():
+            state.queue.put_nowait(ServerUnavailable(reason))
+
     def shutdown(self) -> None:
+        """Stops the pipeline processes (SIGTERM, then SIGKILL after 10 s)."""
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
