@@ -4,6 +4,7 @@ usage and prefix-cache accounting, the native /generate API, and the operations 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
@@ -471,3 +472,14 @@ def test_openai_response_format_and_extra_body(oai):
                                          max_tokens=48, temperature=0, stream=True, extra_body={"json_schema": PERSON})
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert set(json.loads(text)) == {"name", "age"}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc")
+def test_scheduler_openmp_threads_sleep_when_idle(http, server):
+    """The scheduler's idle OpenMP workers must sleep (OMP_WAIT_POLICY=PASSIVE): with GNU OpenMP's default
+    busy-wait, a worker spun a whole core between the small parallel regions of a CPU decode step, and on a
+    busy machine the server then decoded several times slower than the in-process engine."""
+    pid = http.get("/get_server_info").json()["pipeline_pids"]["scheduler"]
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    assert env.get(b"OMP_WAIT_POLICY") == b"PASSIVE"
