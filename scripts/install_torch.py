@@ -45,10 +45,14 @@ def resolved_wheel(spec: str) -> str | None:
     return urllib.parse.unquote(urls[0].rsplit("/", 1)[-1]) if urls else None
 
 
-def pypi_wheel_is_cuda() -> bool:
+def pypi_wheel_is_cuda(plat: str = sys.platform, machine: str = platform.machine()) -> bool:
     """On these platforms PyPI's torch wheel is the CUDA build; elsewhere (macOS, aarch64 Linux) it is CPU."""
-    machine = platform.machine().lower()
-    return sys.platform == "win32" or (sys.platform.startswith("linux") and machine in ("x86_64", "amd64"))
+    return plat == "win32" or (plat.startswith("linux") and machine.lower() in ("x86_64", "amd64"))
+
+
+def use_configured_sources(wheel: str | None, pypi_is_cuda: bool) -> bool:
+    """True when the wheel pip's own sources resolve to is a CPU build (else: PyTorch's CPU index)."""
+    return bool(wheel) and ("+cpu" in wheel or not pypi_is_cuda)
 
 
 def main() -> int:
@@ -62,7 +66,7 @@ def main() -> int:
         print(f"torch: installing {spec} from pip's configured sources (SGLANG_BACKEND_TORCH=any)")
         return subprocess.call([sys.executable, "-m", "pip", "install", "-q", spec])
     wheel = resolved_wheel(spec)
-    if wheel and ("+cpu" in wheel or not pypi_wheel_is_cuda()):
+    if use_configured_sources(wheel, pypi_wheel_is_cuda()):
         print(f"torch: installing {wheel} (CPU build, from pip's configured sources)")
         done = pip("install", spec, quiet=False)
     else:
