@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterator, TypeVar
+import os
+import signal
+import sys
+from typing import AsyncIterator, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+DIE_WITH_PARENT_ENV = "SGLANG_BACKEND_DIE_WITH_PARENT"
 
 
 async def iterate_in_thread(it: Iterator[T]) -> AsyncIterator[T]:
@@ -16,3 +22,85 @@ async def iterate_in_thread(it: Iterator[T]) -> AsyncIterator[T]:
         if item is sentinel:
             return
         yield item
+
+
+def _pdeathsig_setter() -> Callable[[], int] | None:
+    """A function doing ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (returns 0 on success), or None if not Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # the process's own libc (glibc or musl)
+    except (OSError, AttributeError):
+        return None
+    args = (ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
+            ctypes.c_ulong(0))  # prctl is variadic: pass the unsigned longs it reads, not C ints
+    return lambda: prctl(*args)
+
+
+def die_with_parent(expected_parent_pid: int | None = None, *, ignore_sigint: bool = True,
+                    pdeathsig: bool = True) -> None:
+    """Makes this process die (SIGKILL) when its parent dies, whenever that happens; call it first thing.
+
+    On Linux this is ``prctl(PR_SET_PDEATHSIG, SIGKILL)``; elsewhere only the check below runs. Then, because
+    the parent may have died before the ``prctl`` (the kernel would not signal us for that), the parent is
+    checked to still be ``expected_parent_pid`` and the process exits at once if it is not. By default that pid
+    is the one multiprocessing recorded for a multiprocessing child (its creator), else ``os.getppid()``.
+
+    Caveat: the kernel sends the signal when the parent *thread* that started this process exits, not the
+    parent process. Start such children from a thread that lives as long as they should: the server's
+    pipeline processes are started by the HTTP process's main thread (``launch_server`` blocks in it until the
+    server stops), so they live exactly as long as the server.
+
+    ``ignore_sigint``: a Ctrl-C in a terminal goes to the whole process group; children leave it to their
+    parent, which stops them as part of its own clean shutdown (no KeyboardInterrupt tracebacks from them).
+    ``pdeathsig=False``: only that and the check (a parent thread that may exit before the parent does).
+    """
+    if ignore_sigint:
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: leave SIGINT alone
+            pass
+    if expected_parent_pid is None:
+        import multiprocessing
+
+        parent = multiprocessing.parent_process()
+        expected_parent_pid = parent.pid if parent is not None else os.getppid()
+    set_pdeathsig = _pdeathsig_setter() if pdeathsig else None
+    if set_pdeathsig is not None and set_pdeathsig() != 0:
+        import ctypes
+
+        print(f"sglang-backend: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+    if os.getppid() != expected_parent_pid:  # the parent died before the prctl: we have been re-parented
+        os._exit(1)
+
+
+def die_with_parent_if_requested() -> None:
+    """``die_with_parent(os.getppid())`` when ``SGLANG_BACKEND_DIE_WITH_PARENT=1``: for a process whose
+    parent supervises it (a test fixture), so that it cannot outlive the parent even when that is SIGKILLed.
+    Ctrl-C keeps working as usual (SIGINT is not ignored). The parent must start it from a thread that lives
+    as long as it should run (a pytest fixture: the main thread); see ``die_with_parent``."""
+    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
+        die_with_parent(os.getppid(), ignore_sigint=False)
+
+
+def pdeathsig_preexec(ignore_sigint: bool = False) -> Callable[[], None] | None:
+    """For ``subprocess.Popen(preexec_fn=...)``: the new process (the setting survives ``exec``) gets SIGKILL
+    when the thread calling ``Popen`` exits (see ``die_with_parent``), also for programs that are not ours.
+    ``ignore_sigint``: it also ignores SIGINT (a terminal's Ctrl-C; the parent stops it). None where
+    unsupported (not Linux). Everything is resolved here, before the fork: between fork and exec the child
+    only calls ``prctl``, ``getppid`` and (``ignore_sigint``) ``signal``."""
+    set_pdeathsig = _pdeathsig_setter()
+    if set_pdeathsig is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        set_pdeathsig()
+        if ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec

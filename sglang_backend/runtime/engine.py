@@ -53,7 +53,10 @@ class _Handle:
 
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any):
-        logging.basicConfig(level=kwargs.get("log_level", "info").upper() if isinstance(kwargs.get("log_level"), str) else "INFO")
+        # A library leaves logging to the application (no handlers, root logger untouched); an explicit
+        # log_level sets the level of this package's logger only.
+        if isinstance(kwargs.get("log_level"), str):
+            logging.getLogger("sglang_backend").setLevel(kwargs["log_level"].upper())
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         self.model_dir, self.config, self.tokenizer = load_model_assets(self.server_args)
         self.scheduler = Scheduler(self.server_args, self.config, self.model_dir, self.tokenizer)

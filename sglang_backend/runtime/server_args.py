@@ -100,8 +100,10 @@ class ServerArgs:
                 continue
             base = str(f.type).split("|")[0].strip()
             typ = {"int": int, "float": float}.get(base, str)
-            parser.add_argument(flag, type=typ, default=f.default, choices=f.metadata.get("choices"),
-                                help=f"{help_text} (default: {f.default})")
+            # Show the default once: not when the help text already says it, nor a bare "None" (unset)
+            if f.default is not None and "default" not in help_text.lower():
+                help_text = f"{help_text} (default: {f.default})"
+            parser.add_argument(flag, type=typ, default=f.default, choices=f.metadata.get("choices"), help=help_text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

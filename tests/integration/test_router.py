@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from sglang_backend.runtime.distributed.data_parallel import router_argv
+from sglang_backend.utils import pdeathsig_preexec
 
 from tests.integration.conftest import REPO_ROOT, descendants, free_port, still_alive
 
@@ -130,7 +131,7 @@ def dp_cluster(tiny_gqa_dir, tmp_path_factory):
         rr_port = free_port()
         with open(log_dir / "rr.log", "w") as log:
             rr = subprocess.Popen(router_argv(workers, "127.0.0.1", rr_port, "round_robin", free_port(), "warning"),
-                                  stdout=log, stderr=subprocess.STDOUT)
+                                  stdout=log, stderr=subprocess.STDOUT, preexec_fn=pdeathsig_preexec())
         procs.append(rr)
         rr_url = f"http://127.0.0.1:{rr_port}"
         wait_for(lambda: len(healthy_workers(rr_url)) == 2, 60, "round_robin router", rr)

@@ -163,3 +163,24 @@ def test_prefill_only_request_caches_prompt(tiny_engine):
     assert hint["output_ids"] == [] and hint["meta_info"]["finish_reason"]["type"] == "length"
     out = tiny_engine.generate(input_ids=ids + [7, 8, 9], sampling_params={**GREEDY, "max_new_tokens": 2})
     assert out["meta_info"]["cached_tokens"] >= len(ids)
+
+
+def test_engine_leaves_logging_to_the_application(tiny_gqa_dir):
+    """A library must not configure logging: no handlers on the root logger (a basicConfig there would print
+    every library's INFO lines in the application's process); ``log_level`` sets the package logger's level."""
+    import logging
+
+    root, package = logging.getLogger(), logging.getLogger("sglang_backend")
+    saved = (root.handlers[:], root.level, package.level)
+    root.handlers.clear()  # as in a fresh application (pytest adds its own capture handlers)
+    try:
+        engine = make_engine(tiny_gqa_dir, log_level="warning")
+        try:
+            assert root.handlers == [] and root.level == saved[1]
+            assert package.level == logging.WARNING
+        finally:
+            engine.shutdown()
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        package.setLevel(saved[2])

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from ...utils import pdeathsig_preexec
+
 logger = logging.getLogger(__name__)
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
@@ -108,15 +110,25 @@ def serve_dp(server_args, dp: int, policy: str = "cache_aware") -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # Workers and router die with this process even if it is SIGKILLed (PR_SET_PDEATHSIG, set between fork and
+    # exec, so it also covers their start-up; started from this main thread, which lives as long as they do).
+    # The router ignores Ctrl-C (it would print a KeyboardInterrupt traceback): the finally below stops it.
+    die, die_no_sigint = pdeathsig_preexec(), pdeathsig_preexec(ignore_sigint=True)
     try:
-        workers = [subprocess.Popen(worker_argv(server_args, p), env={**os.environ, **extra})
+        workers = [subprocess.Popen(worker_argv(server_args, p), env={**os.environ, **extra}, preexec_fn=die)
                    for p, extra in zip(ports, gpu_split(server_args, dp))]
         procs += workers
         for url, proc in zip(urls, workers):
-            wait_healthy(url, proc)
+            try:
+                wait_healthy(url, proc)
+            except RuntimeError:
+                if stopping:  # Ctrl-C during start-up: the workers got it too and exited
+                    return 0
+                raise
         logger.info("%d workers up: %s", dp, " ".join(urls))
         router = subprocess.Popen(router_argv(urls, server_args.host, server_args.port, policy,
-                                              server_args.port + dp + 1, server_args.log_level, server_args.api_key))
+                                              server_args.port + dp + 1, server_args.log_level, server_args.api_key),
+                                  preexec_fn=die_no_sigint)
         procs.append(router)
         logger.info("sglang-router (%s) on http://%s:%d", policy, server_args.host, server_args.port)
         while not stopping and router.poll() is None:

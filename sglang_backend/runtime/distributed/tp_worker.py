@@ -25,7 +25,7 @@ An idle follower blocks reading its pipe, which has no timeout, so an idle serve
 followers; the pipe first carries the start-up arguments. Shutdown is an "exit" header; a follower whose
 parent dies sees the pipe's end (or leaves on its own, ``_exit_with_parent``, when stuck in a collective).
 
-Run as ``python -m sglang_backend.runtime.distributed.tp_worker`` by rank 0 only.
+Run as ``python -m sglang_backend.runtime.distributed.tp_worker PARENT_PID PDEATHSIG`` by rank 0 only.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import time
 
 import torch
 
+from ...utils import die_with_parent
 from ..model_executor.forward_batch import ForwardBatch, ForwardMode
 from .parallel_state import broadcast_device, broadcast_object, destroy_tp, init_tp
 
@@ -233,8 +234,13 @@ class TPFollowers:
         # Set by the model runner once every rank has built its model (the start-up collectives are done):
         # from then on the followers wait for step headers, and an exit header reaches them.
         self.ready = False
+        # The followers die with this process (PR_SET_PDEATHSIG) when started from its main thread. The kernel
+        # signals them when the *thread* that started them exits, and an Engine may be built on a short-lived
+        # thread: then they rely on _exit_with_parent (and the end of their pipe) alone.
+        pdeathsig = threading.current_thread() is threading.main_thread()
         for rank in range(1, size):
-            proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, env=env)
+            proc = subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid()), str(int(pdeathsig))],
+                                    stdin=subprocess.PIPE, env=env)
             pickle.dump((server_args, rank, init_method, torch.get_num_threads()), proc.stdin)
             proc.stdin.flush()
             self.procs.append(proc)
@@ -304,13 +310,16 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def follower_main() -> None:
+    # argv: rank 0's pid, and 1 if rank 0 started us from its main thread (see TPFollowers). SIGINT is ignored:
+    # rank 0 stops the followers.
+    die_with_parent(int(sys.argv[1]), pdeathsig=sys.argv[2] == "1")
     from ..engine import load_model_assets
     from ..model_executor.model_runner import ModelRunner, resolve_device
 
     pipe = sys.stdin.buffer  # the start-up arguments, then one header per step
     server_args, rank, init_method, threads = pickle.load(pipe)
     logging.basicConfig(level=server_args.log_level.upper(), format=f"[tp rank {rank}] %(levelname)s %(message)s")
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(int(sys.argv[1]),), daemon=True).start()
     torch.set_num_threads(threads)
     device = resolve_device(server_args.device)
     if device.startswith("cuda"):

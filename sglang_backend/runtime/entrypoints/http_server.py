@@ -20,6 +20,9 @@ import hashlib
 import hmac
 import json
 import logging
+import os
+import signal
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -29,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ...utils import die_with_parent_if_requested
 from ..managers.detokenizer_manager import format_logprob_pairs
 from ..managers.tokenizer_manager import GenerateInput, Overloaded, RequestFailed, ServerUnavailable, TokenizerManager
 from ..managers.validation import MAX_PROMPTS_PER_REQUEST, check_text
@@ -42,6 +46,7 @@ DISCONNECT_POLL_S = 0.5
 MAX_JSON_DEPTH = 64
 RETRY_AFTER_S = 1
 PIPELINE_DEATH_GRACE_S = 1.0  # after a pipeline process dies: time for error replies to reach clients before exit
+SHUTDOWN_DRAIN_S = 8  # after SIGTERM: time the requests in flight get to finish before they are ended (503)
 
 
 class APIError(Exception):
@@ -761,37 +766,121 @@ async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tup
             t.cancel()
 
 
+class _StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM for ``launch_server``. The first one prints one line and is remembered (it
+    picks the exit status); during start-up it raises KeyboardInterrupt to unwind the start (``launch`` stops
+    the processes it started), while serving it asks uvicorn to stop. Later ones change nothing: the shutdown
+    already under way is bounded."""
+
+    NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.server = None  # the uvicorn server, once serving
+        self.previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self.previous = {sig: signal.signal(sig, self.handle) for sig in self.NAMES}
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def note(self, sig: int) -> None:
+        if not self.received:
+            os.write(2, f"sglang-backend: shutting down ({self.NAMES.get(sig, sig)})\n".encode())
+        self.received.append(sig)
+
+    def handle(self, sig: int, frame) -> None:
+        first = not self.received
+        self.note(sig)
+        if self.server is not None:
+            self.server.should_exit = True
+        elif first:
+            raise KeyboardInterrupt
+
+    @property
+    def interrupted(self) -> bool:
+        return bool(self.received) and self.received[0] == signal.SIGINT
+
+    @property
+    def exit_code(self) -> int:
+        return 130 if self.interrupted else 0  # 128 + SIGINT, as a shell reports a Ctrl-C'd program
+
+
 def launch_server(server_args) -> None:
-    """Starts the pipeline processes and serves HTTP until interrupted; no orphan processes are left."""
+    """Starts the pipeline processes and serves HTTP until stopped; no orphan processes are left.
+
+    Ctrl-C (SIGINT, which a terminal sends to the whole process group; the pipeline processes ignore it) or
+    SIGTERM, at any time, start-up included: one line on stderr ("sglang-backend: shutting down (Ctrl-C)"), the
+    requests in flight end with a 503 (after Ctrl-C at once; after SIGTERM once they had up to
+    ``SHUTDOWN_DRAIN_S`` to finish), the pipeline processes are stopped, and the process exits (SystemExit)
+    with 130 after Ctrl-C, 0 after SIGTERM, 1 if a pipeline process died. A second Ctrl-C stops waiting for
+    open connections. With ``SGLANG_BACKEND_DIE_WITH_PARENT=1`` in the environment this process also dies
+    with its parent, even a SIGKILLed one (``utils.die_with_parent_if_requested``).
+    """
     import uvicorn
 
+    die_with_parent_if_requested()
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
-    tm = TokenizerManager(server_args)
-    tm.launch()
-    app = create_app(tm, server_args)
-    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-                                           timeout_keep_alive=30, timeout_graceful_shutdown=10))
+    stop = _StopSignals()
 
-    async def serve():
-        async def exit_when_pipeline_dies():
-            # The tokenizer manager has already failed every pending request; give the replies a moment to
-            # reach their clients, then stop serving so a supervisor sees a non-zero exit and restarts us.
-            while tm.dead_reason is None:
-                await asyncio.sleep(0.25)
-            await asyncio.sleep(PIPELINE_DEATH_GRACE_S)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # uvicorn's own handler while it serves
+            stop.note(sig)
+            super().handle_exit(sig, frame)
+
+    stop.install()
+    tm = TokenizerManager(server_args)
+    try:
+        tm.launch()  # model loading (on a first run also the embedded model's conversion)
+        app = create_app(tm, server_args)
+        server = Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                       log_level=server_args.log_level, timeout_keep_alive=30,
+                                       timeout_graceful_shutdown=SHUTDOWN_DRAIN_S + 2))
+        stop.server = server
+        if stop.received:  # a signal between the end of start-up and here
             server.should_exit = True
 
-        watcher = asyncio.create_task(exit_when_pipeline_dies())
-        try:
-            await server.serve()
-        finally:
-            watcher.cancel()
+        async def serve():
+            async def exit_when_pipeline_dies():
+                # The tokenizer manager has already failed every pending request; give the replies a moment to
+                # reach their clients, then stop serving so a supervisor sees a non-zero exit and restarts us.
+                while tm.dead_reason is None:
+                    await asyncio.sleep(0.25)
+                await asyncio.sleep(PIPELINE_DEATH_GRACE_S)
+                server.should_exit = True
 
-    try:
+            async def end_requests_when_stopping():
+                # uvicorn stops accepting at once, then waits for the requests in flight: end them (503) at
+                # once after a Ctrl-C, after a drain period otherwise, rather than have uvicorn cancel them.
+                while not server.should_exit:
+                    await asyncio.sleep(0.1)
+                deadline = time.monotonic() + (0 if stop.interrupted else SHUTDOWN_DRAIN_S)
+                while tm.num_running() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                tm.fail_requests("the server is shutting down")
+
+            watchers = [asyncio.create_task(exit_when_pipeline_dies()),
+                        asyncio.create_task(end_requests_when_stopping())]
+            try:
+                await server.serve()
+            finally:
+                for w in watchers:
+                    w.cancel()
+
         asyncio.run(serve())
+    except KeyboardInterrupt:  # raised by stop.handle during start-up
+        if not stop.received:
+            raise
     finally:
         tm.shutdown()
-        tm.cleanup_ipc()
+        if getattr(tm, "ipc_dir", None):
+            tm.cleanup_ipc()
+        stop.restore()
     if tm.dead_reason is not None:
         logger.error("exiting: %s", tm.dead_reason)
         raise SystemExit(1)
+    if stop.received:
+        raise SystemExit(stop.exit_code)

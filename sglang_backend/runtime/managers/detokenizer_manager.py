@@ -7,6 +7,8 @@ could still become a stop string, so a client never sees text that is later retr
 
 from __future__ import annotations
 
+from ...utils import die_with_parent
+
 
 def trim_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """Cuts ``text`` at the earliest occurrence of any stop string. Returns (text, found)."""
@@ -64,6 +66,7 @@ class DetokenizerState:
 
 def run_detokenizer_process(server_args, ipc: dict, tokenizer_path: str) -> None:
     """TokenOut (token ids) from the scheduler -> StrOut (text pieces) to the tokenizer manager."""
+    die_with_parent()  # SIGKILL with the server process; SIGINT ignored (see utils.die_with_parent)
     import logging
     import os
 

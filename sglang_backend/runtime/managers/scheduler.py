@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...utils import die_with_parent
 from ..layers.logits_processor import token_logprobs, top_logprobs
 from ..layers.sampler import Sampler, SamplingBatchInfo
 from ..model_executor.forward_batch import ForwardMode
@@ -729,6 +730,7 @@ class Scheduler:
 # The scheduler process (server mode) ------------------------------------------------------------------------------
 def run_scheduler_process(server_args, ipc: dict, ready_conn) -> None:
     """Loads the model, then loops: drain requests from the tokenizer manager, step, send outputs on."""
+    die_with_parent()  # SIGKILL with the server process; SIGINT ignored (see utils.die_with_parent)
     import os
     import pickle
 

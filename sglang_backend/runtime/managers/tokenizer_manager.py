@@ -39,7 +39,7 @@ STARTUP_TIMEOUT_S = 600
 
 
 class ServerUnavailable(RuntimeError):
-    """A pipeline process died: requests fail fast instead of hanging."""
+    """A pipeline process died, or the server is shutting down: requests fail fast instead of hanging (503)."""
 
 
 class Overloaded(RuntimeError):

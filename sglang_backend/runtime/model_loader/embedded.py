@@ -20,6 +20,8 @@ import hashlib
 import importlib.util
 import os
 import re
+import sys
+import time
 
 from .gguf import CONVERSION_MARKER, CONVERTER_VERSION
 
@@ -115,16 +117,29 @@ def converted_gguf_path(gguf_path: str, name: str | None = None) -> str:
 
     os.makedirs(os.path.dirname(target), exist_ok=True)
     with open(target + ".lock", "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"waiting for another process to finish converting {gguf_path} ...")
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
             if _is_complete(target):
                 return target
             from .gguf import convert_gguf_to_hf
 
-            convert_gguf_to_hf(gguf_path, target)
+            estimate = ", ~40 s" if name == DEFAULT_MODEL else ""
+            _say(f"converting {gguf_path} to a Hugging Face directory in {target} (first run only{estimate}) ...")
+            t0 = time.perf_counter()
+            convert_gguf_to_hf(gguf_path, target, progress=True)
+            _say(f"done in {time.perf_counter() - t0:.0f} s")
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     return target
+
+
+def _say(message: str) -> None:
+    """A progress line for the person waiting (stderr; not logging, which the application may not have set up)."""
+    print(f"sglang-backend: {message}", file=sys.stderr, flush=True)
 
 
 def default_model_path() -> str:

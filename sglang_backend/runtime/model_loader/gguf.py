@@ -251,16 +251,18 @@ def _fix_permissions(path: str) -> None:
         os.chmod(os.path.join(path, name), 0o666 & ~mask)
 
 
-def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
+def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False) -> str:
     """Convert a llama-architecture GGUF file into a float32 Hugging Face model directory.
 
     Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and the tokenizer
     files (with the GGUF's chat template) into ``out_dir`` atomically and returns ``out_dir``.
-    An existing ``out_dir`` is replaced.
+    An existing ``out_dir`` is replaced. ``progress``: one progress bar on stderr (reading, then each
+    tensor, the weights file, the tokenizer).
     """
     import torch
     from gguf import GGUFReader
     from safetensors.torch import save_file
+    from tqdm import tqdm
     from transformers import GenerationConfig
 
     t0 = time.perf_counter()
@@ -269,6 +271,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     out_dir = os.path.abspath(out_dir)
 
+    bar = tqdm(desc="reading the GGUF", unit="step", disable=not progress, leave=False)
     reader = GGUFReader(gguf_path)
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
@@ -286,7 +289,10 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
 
     tensors: dict[str, torch.Tensor] = {}
+    bar.reset(total=len(reader.tensors) + 2)  # each tensor, then the weights file and the tokenizer
+    bar.set_description_str("dequantizing tensors")
     for t in reader.tensors:
+        bar.update()
         hf_name = gguf_tensor_name_to_hf(t.name)
         if hf_name is None:
             continue
@@ -313,9 +319,14 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
         config.save_pretrained(tmp)
+        bar.set_description_str("writing model.safetensors")
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         del tensors
+        bar.update()
+        bar.set_description_str("converting the tokenizer")
         tok = _save_tokenizer(gguf_path, tmp, config)
+        bar.update()
+        bar.close()
         gen = GenerationConfig(
             bos_token_id=config.bos_token_id,
             eos_token_id=config.eos_token_id,
@@ -345,6 +356,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
