@@ -26,11 +26,16 @@ PEAK_RSS_WARN_GIB = 12
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The suite's memory: peak RSS of this pytest process and of the largest finished child (a test server)."""
+    """The suite's memory: peak RSS of this pytest process and of the largest test server (all its processes)."""
+    from tests import memory_report
+
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
-    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale / 2**30
-    terminalreporter.write_line(f"peak RSS: pytest {own:.2f} GiB, largest child process {child:.2f} GiB")
+    servers = memory_report.server_peaks_kib
+    line = f"peak RSS: pytest {own:.2f} GiB"
+    if servers:
+        line += f"; largest of {len(servers)} test servers {max(servers) / 2**20:.2f} GiB (its processes summed)"
+    terminalreporter.write_line(line)
     if own > PEAK_RSS_WARN_GIB:
         terminalreporter.write_line(f"warning: pytest's peak RSS is over {PEAK_RSS_WARN_GIB} GiB", yellow=True)
 

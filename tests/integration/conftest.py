@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from tests import memory_report
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY = "sk-integration-test-key"
 STARTUP_TIMEOUT_S = 180
@@ -149,6 +151,7 @@ class ServerHandle:
             return []
         if proc.poll() is None:
             self.seen_children.update(descendants(proc.pid))
+            memory_report.record_server([proc.pid, *descendants(proc.pid)])
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
