@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,49 +26,15 @@ import time
 import httpx
 import pytest
 
+from tests.integration.conftest import REPO_ROOT, descendants, free_port
+from tests.integration.conftest import _proc_table as proc_table
+from tests.integration.conftest import still_alive as alive
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="PR_SET_PDEATHSIG and /proc are Linux-only")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STARTUP_TIMEOUT_S = 120
 GONE_WITHIN_S = 5
-
-
-# /proc -------------------------------------------------------------------------------------------------------------
-def proc_table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (ppid, state, start time) of every process."""
-    table = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            rest = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces and parens
-            table[int(name)] = (int(rest[1]), rest[0], rest[19])
-    return table
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Live descendants of ``pid``: pid -> start time (tells a reused pid apart)."""
-    table = proc_table()
-    children: dict[int, list[int]] = {}
-    for p, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(p)
-    out, todo = {}, list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        if p not in out:
-            out[p] = table[p][2]
-            todo.extend(children.get(p, []))
-    return out
-
-
-def alive(procs: dict[int, str]) -> list[int]:
-    """Those of ``procs`` still running (a zombie has exited: only its parent has not reaped it yet)."""
-    table = proc_table()
-    return [p for p, start in procs.items() if p in table and table[p][2] == start and table[p][1] != "Z"]
 
 
 def wait_gone(procs: dict[int, str], timeout: float) -> list[str]:
@@ -97,12 +62,6 @@ def cmdline(pid: int) -> str:
 
 
 # The server -------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_cmd(model_dir: str, port: int) -> list[str]:
     return [sys.executable, "-m", "sglang_backend", "serve", "--model-path", model_dir, "--load-format", "auto",
             "--port", str(port), "--max-total-tokens", "4096", "--log-level", "warning"]
