@@ -168,6 +168,11 @@ CASES = [
     ("abort-rid-not-string", "POST", "/abort_request", {"rid": 5}, {}, 400),
     ("abort-bad-json", "POST", "/abort_request", b"{rid", {}, 400),
     ("tokenize-missing-prompt", "POST", "/tokenize", {"text": "hi"}, {}, 400),
+    # --- chat templates: variables only; a client's own template (code) or apply_chat_template's arguments: 400
+    ("chat-template-from-client", "POST", "/v1/chat/completions", chat(chat_template_kwargs={
+        "chat_template": "{% for i in range(20000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}hi"}), {}, 400),
+    ("chat-template-kwargs-tokenize", "POST", "/v1/chat/completions", chat(chat_template_kwargs={"tokenize": True}), {}, 400),
+    ("chat-template-kwargs-messages", "POST", "/v1/chat/completions", chat(chat_template_kwargs={"messages": []}), {}, 400),
 ]
 
 # Requests a buggy server might accept and start generating for: they carry a rid so the test can abort them.
@@ -315,3 +320,8 @@ def test_requests_cannot_kill_the_server(server):
                 problems.append(f"the server died; unchecked: {unchecked}\n{server.log_tail(6)}")
                 break
     assert not problems, "\n".join(problems)
+
+
+def test_chat_template_variables_are_still_passed(server):
+    r = send(server, "POST", "/v1/chat/completions", chat(chat_template_kwargs={"enable_thinking": False}), {})
+    assert r.status_code == 200, r.text

@@ -18,6 +18,7 @@ import concurrent.futures
 import functools
 import hashlib
 import hmac
+import inspect
 import json
 import logging
 import os
@@ -396,6 +397,11 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     def sent_logprobs(out: dict) -> int:
         return len(out["meta_info"].get("output_token_logprobs", []))
 
+    # apply_chat_template's own parameters (chat_template, tokenize, tools, ...) and the conversation itself:
+    # not template variables, so never taken from a request's chat_template_kwargs.
+    reserved_template_args = {name for name, p in inspect.signature(tm.tokenizer.apply_chat_template).parameters.items()
+                              if p.kind is not inspect.Parameter.VAR_KEYWORD} | {"messages", "conversation"}
+
     def render_chat(req: ChatCompletionRequest, images: list | None = None) -> str:
         """The chat prompt; image parts become the model's image placeholder, their URLs go to ``images``."""
         messages = []
@@ -422,10 +428,17 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             messages.append(msg)
         if req.tools:
             raise APIError("tool calling is not supported by this server yet", param="tools")
+        template_vars = req.chat_template_kwargs or {}
+        refused = sorted(set(template_vars) & reserved_template_args)
+        if refused:
+            # Only the model's own template runs (a client's template is code: unbounded loops on the shared
+            # preparation thread); clients set template variables, as upstream's chat_template_kwargs does.
+            raise APIError(f"chat_template_kwargs sets template variables only; {refused} cannot be set "
+                           f"(the server renders the model's own chat template)", param="chat_template_kwargs")
         try:
             return tm.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=not req.continue_final_message,
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+                continue_final_message=req.continue_final_message, **template_vars)
         except APIError:
             raise
         except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
