@@ -146,6 +146,8 @@ def test_killed_pipeline_process(request, rel, victim, server_fixture):
             pass  # already exited: also "not healthy"
         assert health != 200
         assert server.proc.wait(timeout=30) != 0, "the server must exit non-zero after losing a pipeline process"
+        exited_after = time.monotonic() - killed_at  # an upper bound: measured after the clients' checks
+        assert exited_after < 1.5, f"the server lived {exited_after:.2f} s after losing a pipeline process"
         def leftovers():  # children still present, alive or zombie (same pid and start time)
             table = c.proc_table()
             return [p for p, start in children.items() if p in table and table[p][2] == start]

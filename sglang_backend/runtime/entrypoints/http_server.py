@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -46,7 +47,7 @@ OPEN_ROUTES = {"/health", "/health_generate"}
 DISCONNECT_POLL_S = 0.5
 MAX_JSON_DEPTH = 64
 RETRY_AFTER_S = 1
-PIPELINE_DEATH_GRACE_S = 1.0  # after a pipeline process dies: time for error replies to reach clients before exit
+PIPELINE_DEATH_GRACE_S = 0.3  # after a pipeline process dies: time for error replies to reach clients before exit
 SHUTDOWN_DRAIN_S = 8  # after SIGTERM: time the requests in flight get to finish before they are ended (503)
 
 
@@ -861,7 +862,7 @@ def launch_server(server_args) -> None:
                 # The tokenizer manager has already failed every pending request; give the replies a moment to
                 # reach their clients, then stop serving so a supervisor sees a non-zero exit and restarts us.
                 while tm.dead_reason is None:
-                    await asyncio.sleep(0.25)
+                    await asyncio.sleep(0.05)
                 await asyncio.sleep(PIPELINE_DEATH_GRACE_S)
                 server.should_exit = True
 
@@ -894,6 +895,11 @@ def launch_server(server_args) -> None:
         stop.restore()
     if tm.dead_reason is not None:
         logger.error("exiting: %s", tm.dead_reason)
-        raise SystemExit(1)
+        # Everything is answered and stopped; skip the interpreter's teardown (torch and friends took ~1 s of
+        # it), so a supervisor can restart us sooner: the whole path from a killed child to exit takes ~0.6 s.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if stop.received:
         raise SystemExit(stop.exit_code)

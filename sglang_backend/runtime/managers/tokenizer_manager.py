@@ -194,7 +194,7 @@ class TokenizerManager:
 
     async def _watch_processes(self) -> None:
         while self.dead_reason is None:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.1)  # a dead pipeline process is noticed within 0.1 s
             for p in self.procs:
                 if not p.is_alive():
                     self._fail_all(f"{p.name} exited with code {p.exitcode}")
