@@ -56,6 +56,7 @@ class ServerArgs:
     api_key: str | None = field(default=None, metadata={"help": "Require 'Authorization: Bearer KEY'"})
     log_level: str = field(default="info", metadata={"help": "Logging level"})
     max_queued_requests: int = field(default=1024, metadata={"help": "Requests waiting beyond the running ones; past it new requests get 503 + Retry-After"})
+    graceful_shutdown_timeout: float = field(default=8.0, metadata={"help": "After SIGTERM: seconds the requests in flight get to finish before they are ended with an error (Ctrl-C ends them at once)"})
     request_timeout: float | None = field(default=None, metadata={"help": "Seconds a request may take end to end before it is aborted (504); default: no limit"})
     max_request_body_bytes: int = field(default=8 << 20, metadata={"help": "Larger request bodies get 413"})
     allow_local_media: bool = field(default=False, metadata={"help": "Let requests name local image/video files by path (off: base64/data URLs only)"})
@@ -77,6 +78,8 @@ class ServerArgs:
             raise ValueError("tp_size must be >= 1")
         if self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError("graceful_shutdown_timeout must be >= 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
         if self.table_cache and (self.disable_radix_cache or self.page_size != 1):

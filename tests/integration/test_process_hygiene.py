@@ -167,7 +167,8 @@ def test_server_dies_with_a_sigkilled_parent(tiny_gqa_dir, tmp_path):
         wait_gone(tree, 0)
 
 
-def stop_with_a_stream_in_flight(model_dir: str, tmp_path, send_signal) -> tuple[int, float, str, list[str]]:
+def stop_with_a_stream_in_flight(model_dir: str, tmp_path, send_signal,
+                                 extra_args: tuple[str, ...] = ()) -> tuple[int, float, str, list[str]]:
     """Starts a server, starts a long stream, calls ``send_signal(pid)`` once the stream has output; returns the
     server's exit status, seconds from the signal to its exit, its stderr and the stream's events. Checks
     that no pipeline process outlives it."""
@@ -175,7 +176,8 @@ def stop_with_a_stream_in_flight(model_dir: str, tmp_path, send_signal) -> tuple
     url = f"http://127.0.0.1:{port}"
     out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
     with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen(serve_cmd(model_dir, port), stdout=o, stderr=e, cwd=REPO_ROOT, env=server_env(),
+        proc = subprocess.Popen([*serve_cmd(model_dir, port), *extra_args], stdout=o, stderr=e, cwd=REPO_ROOT,
+                                env=server_env(),
                                 start_new_session=True)  # its own process group, as a shell gives a command
     try:
         wait_healthy(url, proc, err)
@@ -244,6 +246,18 @@ def test_sigterm_lets_requests_finish_and_exits_0(tiny_gqa_dir, tmp_path):
     last = json.loads(events[-2])
     assert last["meta_info"]["finish_reason"]["type"] == "length", last
     assert last["meta_info"]["completion_tokens"] == 480
+
+
+def test_sigterm_ends_what_outlives_the_graceful_shutdown_timeout(tiny_gqa_dir, tmp_path):
+    # A request longer than --graceful-shutdown-timeout (480 tokens take the tiny model a second or two): it gets
+    # a well-formed error, and the server exits 0.
+    code, took, stderr, events = stop_with_a_stream_in_flight(
+        tiny_gqa_dir, tmp_path, lambda pid: os.kill(pid, signal.SIGTERM), extra_args=("--graceful-shutdown-timeout", "0.1"))
+    assert code == 0, f"exit status {code}:\n{stderr[-3000:]}"
+    no_traceback(stderr)
+    assert events and events[-1] == "[DONE]", events[-3:]
+    assert "error" in json.loads(events[-2]) and "shutting down" in events[-2], events[-3:]
+    assert took < 5, f"exited {took:.1f} s after SIGTERM with a 0.1 s graceful-shutdown timeout"
 
 
 # The helpers for other children: tensor-parallel followers, the --dp launcher's workers and router ------------------

@@ -48,7 +48,6 @@ DISCONNECT_POLL_S = 0.5
 MAX_JSON_DEPTH = 64
 RETRY_AFTER_S = 1
 PIPELINE_DEATH_GRACE_S = 0.3  # after a pipeline process dies: time for error replies to reach clients before exit
-SHUTDOWN_DRAIN_S = 8  # after SIGTERM: time the requests in flight get to finish before they are ended (503)
 
 
 class APIError(Exception):
@@ -829,8 +828,8 @@ def launch_server(server_args) -> None:
     Ctrl-C (SIGINT, which a terminal sends to the whole process group; the pipeline processes ignore it) or
     SIGTERM, at any time, start-up included: one line on stderr ("sglang-backend: shutting down (Ctrl-C)"), the
     requests in flight end with a 503 (after Ctrl-C at once; after SIGTERM once they had up to
-    ``SHUTDOWN_DRAIN_S`` to finish), the pipeline processes are stopped, and the process exits (SystemExit)
-    with 130 after Ctrl-C, 0 after SIGTERM, 1 if a pipeline process died. A second Ctrl-C stops waiting for
+    ``--graceful-shutdown-timeout`` seconds to finish), the pipeline processes are stopped, and the process
+    exits with 130 after Ctrl-C, 0 after SIGTERM, 1 if a pipeline process died. A second Ctrl-C stops waiting for
     open connections. With ``SGLANG_BACKEND_DIE_WITH_PARENT=1`` in the environment this process also dies
     with its parent, even a SIGKILLed one (``utils.die_with_parent_if_requested``).
     """
@@ -852,7 +851,7 @@ def launch_server(server_args) -> None:
         app = create_app(tm, server_args)
         server = Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
                                        log_level=server_args.log_level, timeout_keep_alive=30,
-                                       timeout_graceful_shutdown=SHUTDOWN_DRAIN_S + 2))
+                                       timeout_graceful_shutdown=server_args.graceful_shutdown_timeout + 2))
         stop.server = server
         if stop.received:  # a signal between the end of start-up and here
             server.should_exit = True
@@ -871,7 +870,7 @@ def launch_server(server_args) -> None:
                 # once after a Ctrl-C, after a drain period otherwise, rather than have uvicorn cancel them.
                 while not server.should_exit:
                     await asyncio.sleep(0.1)
-                deadline = time.monotonic() + (0 if stop.interrupted else SHUTDOWN_DRAIN_S)
+                deadline = time.monotonic() + (0 if stop.interrupted else server_args.graceful_shutdown_timeout)
                 while tm.num_running() and time.monotonic() < deadline:
                     await asyncio.sleep(0.1)
                 tm.fail_requests("the server is shutting down")
