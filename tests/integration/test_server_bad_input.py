@@ -3,6 +3,7 @@ reaches (or hurts) the scheduler, and afterwards the server is healthy and the K
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -48,6 +49,10 @@ CASES = [
     ("empty-body", "POST", "/v1/chat/completions", b"", {}, 400),
     ("body-is-array", "POST", "/v1/chat/completions", [1, 2], {}, 400),
     ("body-is-string", "POST", "/v1/completions", "hello", {}, 400),
+    # JSON sent as a browser's cross-origin "simple request" (text/plain, a form) is refused: no CSRF
+    ("text-plain-chat", "POST", "/v1/chat/completions", json.dumps(chat()).encode(), {"Content-Type": "text/plain"}, 415),
+    ("form-generate", "POST", "/generate", json.dumps(gen()).encode(),
+     {"Content-Type": "application/x-www-form-urlencoded"}, 415),
     ("body-is-null", "POST", "/generate", b"null", {}, 400),
     # --- chat: messages
     ("chat-missing-messages", "POST", "/v1/chat/completions", {"model": "default"}, {}, 400),
@@ -208,7 +213,7 @@ def send(server, method: str, path: str, body, extra_headers: dict, timeout: flo
     kwargs: dict = {}
     if isinstance(body, bytes):
         kwargs["content"] = body
-        headers["Content-Type"] = "application/json"
+        headers.setdefault("Content-Type", "application/json")
     elif body is not None:
         kwargs["json"] = body
     return httpx.request(method, server.url + path, headers=headers, timeout=timeout, **kwargs)

@@ -174,6 +174,11 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         return await asyncio.get_running_loop().run_in_executor(prep_pool, functools.partial(fn, *args, **kwargs))
 
     async def read_json(request: Request) -> Any:
+        # A JSON body must say so. Browsers send text/plain and form bodies cross-origin without a preflight,
+        # so parsing those as JSON would let any web page drive a server that has no API key (CSRF).
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            raise APIError(f"Content-Type must be application/json, got {ctype!r}", 415)
         body = await request.body()
         try:
             data = json.loads(body.decode("utf-8"))
