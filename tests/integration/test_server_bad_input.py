@@ -49,6 +49,13 @@ CASES = [
     ("empty-body", "POST", "/v1/chat/completions", b"", {}, 400),
     ("body-is-array", "POST", "/v1/chat/completions", [1, 2], {}, 400),
     ("body-is-string", "POST", "/v1/completions", "hello", {}, 400),
+    # --- lax values are refused, not coerced
+    ("chat-logprobs-string", "POST", "/v1/chat/completions", chat(logprobs="yes"), {}, 400),
+    ("comp-echo-string", "POST", "/v1/completions", comp(echo="no"), {}, 400),
+    ("chat-max-tokens-string", "POST", "/v1/chat/completions", chat(max_tokens="8"), {}, 400),
+    ("chat-max-tokens-bool", "POST", "/v1/chat/completions", chat(max_tokens=True), {}, 400),
+    ("gen-input-ids-bools", "POST", "/generate", {"input_ids": [True, False]}, {}, 400),
+    ("chat-user-without-content", "POST", "/v1/chat/completions", chat(messages=[{"role": "user"}]), {}, 400),
     # JSON sent as a browser's cross-origin "simple request" (text/plain, a form) is refused: no CSRF
     ("text-plain-chat", "POST", "/v1/chat/completions", json.dumps(chat()).encode(), {"Content-Type": "text/plain"}, 415),
     ("form-generate", "POST", "/generate", json.dumps(gen()).encode(),

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 64
 MAX_STOP = 16
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: "8", true or "yes" are not numbers or booleans (no coercion; an int is still a valid float)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Base):
@@ -69,6 +70,13 @@ class ChatMessage(_Base):
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_where_openai_requires_it(self):
+        # Only an assistant message may leave it out (it may carry tool_calls instead), as in OpenAI's API.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
