@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 _GREEDY_EPS = 1e-6
+# Smallest accepted repetition_penalty: seen logits are divided by it, so it bounds their growth (x100) and keeps
+# every penalised logit finite in float32.
+MIN_REPETITION_PENALTY = 0.01
 # Extra tokens added to the longest stop string's token count: a stop string inside generated text can
 # tokenize into more pieces than it does on its own (merges with the neighbouring characters).
 _STOP_STR_SLACK = 2
@@ -124,8 +127,11 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not -2 <= self.presence_penalty <= 2:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:
+            # vLLM asks for > 0; a value near 0 makes ``logit / penalty`` overflow float32 (inf, then NaN next to
+            # the -inf of masked tokens), so anything below MIN_REPETITION_PENALTY is refused.
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2], "
+                             f"got {self.repetition_penalty}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if vocab_size is not None:

@@ -9,6 +9,9 @@ step; ``Sampler()(logits, info)`` applies, on a float32 copy of the logits and i
    ``presence_penalty`` (``- penalty`` if present in output);
 3. ``min_new_tokens``: while the output is shorter, eos ids (unless ``ignore_eos``) and the request's
    ``stop_token_ids`` are set to ``-inf``;
+   (with ``return_ok=True`` the sampler then reports rows with no token above ``-inf`` or with a NaN: under
+   a grammar mask that is "nothing the grammar allows is left", and the scheduler ends that request with an
+   error rather than sampling outside the grammar);
 4. greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax;
 5. other rows: ``/ temperature``, softmax, top-k, top-p (over the top-k-renormalised distribution: the
    smallest prefix whose mass reaches ``top_p``, top token always kept), min-p (drop ``p < min_p * p_max``),
@@ -163,9 +166,22 @@ def _token_counts(id_lists: list[list[int]], vocab_size: int, device: torch.devi
     return counts
 
 
+def sampleable_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the row has at least one token that is not ``-inf`` and no NaN, i.e. something to sample.
+
+    A row that fails this has nothing legal left (every token the grammar allows is banned by ``logit_bias``
+    ``-inf`` or by ``stop_token_ids``/EOS under ``min_new_tokens``) or is numerically broken; whatever a sampler
+    picks there is a token outside the request's constraints, so the caller must end the request instead."""
+    return (logits > float("-inf")).any(dim=-1) & ~torch.isnan(logits).any(dim=-1)
+
+
 class Sampler:
-    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """[B, V] logits -> [B] int64 next token ids."""
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo, return_ok: bool = False):
+        """[B, V] logits -> [B] int64 next token ids.
+
+        ``return_ok``: also return a [B] bool tensor, :func:`sampleable_rows` of the logits after bias, penalties
+        and ``min_new_tokens``; the id drawn for a row that is not ok is meaningless (the caller ends that
+        request)."""
         assert logits.dim() == 2 and logits.shape[0] == info.batch_size, (
             f"logits {tuple(logits.shape)} do not match a batch of {info.batch_size}"
         )
@@ -173,24 +189,27 @@ class Sampler:
             f"logits have {logits.shape[1]} columns but the batch info was built for vocab_size={info.vocab_size}"
         )
         if info.plain_greedy:
-            return torch.argmax(logits, dim=-1)
+            ids = torch.argmax(logits, dim=-1)
+            return (ids, sampleable_rows(logits)) if return_ok else ids
         logits = logits.to(dtype=torch.float32, copy=True)
         self.apply_logit_bias(logits, info)
         self.apply_penalties(logits, info)
         self.apply_min_new_tokens(logits, info)
+        ok = sampleable_rows(logits) if return_ok else None
 
         next_ids = torch.empty(info.batch_size, dtype=torch.int64, device=logits.device)
         greedy = info.is_greedy.to(logits.device)
         n_greedy = info.num_greedy
         if n_greedy == info.batch_size:
-            return torch.argmax(logits, dim=-1)
+            ids = torch.argmax(logits, dim=-1)
+            return (ids, ok) if return_ok else ids
         if n_greedy:
             next_ids[greedy] = torch.argmax(logits[greedy], dim=-1)
 
         rows = torch.nonzero(~greedy).squeeze(1)
         probs = self.filtered_probs(logits[rows], info, rows)
         next_ids[rows] = self.sample(probs, [info.generators[r] for r in rows.tolist()])
-        return next_ids
+        return (next_ids, ok) if return_ok else next_ids
 
     # ------------------------------------------------------------------ logit processing (in place)
 
@@ -242,7 +261,10 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
 
         total = probs.sum(dim=-1, keepdim=True)
-        # A row with no finite mass left (every token banned, or overflow) falls back to its argmax.
+        # A row with no finite mass left (every token banned, or overflow of logits / a tiny temperature) falls
+        # back to its argmax. When the row has a token above -inf (sampleable_rows), that argmax is one of
+        # them, so a grammar's mask is never left; a row with none is reported by return_ok and ended by the
+        # scheduler, never decoded from this fallback.
         bad = ~torch.isfinite(total) | (total <= 0) | ~torch.isfinite(probs).all(dim=-1, keepdim=True)
         if bad.any():
             fallback = torch.zeros_like(probs).scatter(1, logits.argmax(dim=-1, keepdim=True), 1.0)

@@ -564,33 +564,68 @@ class Scheduler:
         reqs, logits = self._drop_non_finite(reqs, logits)
         if not reqs:
             return []
+        sample_logits = logits
+        if any(r.grammar is not None for r in reqs):
+            sample_logits = logits.clone()  # logprobs stay those of the model, not of the mask
+            failed = set()
+            for i, req in enumerate(reqs):
+                if req.grammar is not None:
+                    try:
+                        req.grammar.fill_mask(sample_logits[i])
+                    except Exception as e:  # noqa: BLE001 - one request's grammar fails that request only
+                        logger.exception("grammar mask failed for request %s", req.rid)
+                        self._fail_request(req, f"the grammar step failed for this request ({type(e).__name__}: {e})")
+                        failed.add(i)
+            if failed:
+                keep = [i for i in range(len(reqs)) if i not in failed]
+                if not keep:
+                    return []
+                reqs, logits, sample_logits = [reqs[i] for i in keep], logits[keep], sample_logits[keep]
         info = SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs], [r.text_input_ids for r in reqs], [r.output_ids for r in reqs],
             [r.generator for r in reqs], self.eos_token_ids, self.model_runner.vocab_size, self.device)
-        matchers = [r.grammar for r in reqs]
-        sample_logits = logits
-        if any(m is not None for m in matchers):
-            sample_logits = logits.clone()  # logprobs stay those of the model, not of the mask
-            for i, m in enumerate(matchers):
-                if m is not None:
-                    m.fill_mask(sample_logits[i])
-        next_ids = self.sampler(sample_logits, info).tolist()
+        # The model's logits are finite here; only a grammar mask, a bias, a penalty or min_new_tokens can leave a
+        # row with nothing to sample (or NaN), so only then is it checked (one [B, V] reduction).
+        check = (sample_logits is not logits or info.bias_rows is not None or info.repetition_penalties is not None
+                 or info.frequency_penalties is not None or info.blocked_rows is not None)
+        if check:
+            ids, ok = self.sampler(sample_logits, info, return_ok=True)
+            ok = ok.tolist()
+        else:
+            ids, ok = self.sampler(sample_logits, info), None
+        next_ids = ids.tolist()
         if any(r.return_logprob for r in reqs):
             out_lps = token_logprobs(logits, torch.tensor(next_ids, device=logits.device)).tolist()
         now = time.monotonic()
+        advanced, n_sampled = [], 0
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
-            req.output_ids.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.return_logprob:
-                req.output_token_logprobs.append((out_lps[i], tok))
-                if req.top_logprobs_num:
-                    vals, ids = top_logprobs(logits[i : i + 1], req.top_logprobs_num)
-                    req.output_top_logprobs.append(list(zip(vals[0].tolist(), ids[0].tolist())))
-            if req.grammar is not None:
-                req.grammar.advance(tok)
-            self._check_finished(req)
-        self.stats.num_generated_tokens += len(reqs)
+            if ok is not None and not ok[i]:
+                # Nothing legal to sample: end this request (its KV is sound and goes to the tree as usual).
+                req.finished_reason = finish_abort(self._nothing_to_sample_message(req), 400)
+                self.stats.num_aborted += 1
+                logger.info("request %s ended: %s", req.rid, req.finished_reason["message"])
+                advanced.append(req)
+                continue
+            try:
+                req.output_ids.append(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if req.return_logprob:
+                    req.output_token_logprobs.append((out_lps[i], tok))
+                    if req.top_logprobs_num:
+                        vals, top_ids = top_logprobs(logits[i : i + 1], req.top_logprobs_num)
+                        req.output_top_logprobs.append(list(zip(vals[0].tolist(), top_ids[0].tolist())))
+                if req.grammar is not None:
+                    req.grammar.advance(tok)
+                self._check_finished(req)
+            except Exception as e:  # noqa: BLE001 - one request's post-processing fails that request only
+                logger.exception("post-processing of request %s failed", req.rid)
+                self._fail_request(req, f"the step failed for this request ({type(e).__name__}: {e})")
+                continue
+            advanced.append(req)
+            n_sampled += 1
+        reqs = advanced
+        self.stats.num_generated_tokens += n_sampled
         for req in reqs:
             if req.finished():
                 if not new_running:
@@ -601,8 +636,21 @@ class Scheduler:
                 self._cache_unfinished(req)  # share the prompt's KV with requests arriving meanwhile
                 self.running.append(req)
             if req.grammar is not None and not self.server_args.disable_jump_forward:
-                self._jump_forward(req)
+                try:
+                    self._jump_forward(req)
+                except Exception as e:  # noqa: BLE001 - contained like the grammar step above
+                    logger.exception("jump-forward of request %s failed", req.rid)
+                    if req in self.waiting_queue:
+                        self.waiting_queue.remove(req)
+                    self._fail_request(req, f"the grammar step failed for this request ({type(e).__name__}: {e})")
         return reqs
+
+    @staticmethod
+    def _nothing_to_sample_message(req: Req) -> str:
+        what = "no token allowed by the grammar" if req.grammar is not None else "no token"
+        return (f"{what} is left to sample after logit_bias, penalties and min_new_tokens (which bans "
+                f"stop_token_ids and EOS until min_new_tokens tokens are generated) are applied, or the "
+                f"sampling logits became NaN")
 
     def _jump_forward(self, req: Req) -> None:
         """Appends the grammar's forced continuation in one step (compressed FSM): the text is re-tokenized

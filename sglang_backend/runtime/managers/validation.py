@@ -120,6 +120,28 @@ def check_grammar(sp: SamplingParams, grammar_cache) -> None:
         if spec is None:
             continue
         try:
-            grammar_cache.compile(kind, spec)
+            compiled = grammar_cache.compile(kind, spec)
         except RecursionError:  # e.g. a schema nested hundreds of levels deep (jsonschema validates recursively)
             raise ValueError(f"{kind} is nested too deeply") from None
+        check_grammar_not_banned(sp, kind, compiled, getattr(grammar_cache, "eos_token_ids", ()))
+
+
+def check_grammar_not_banned(sp: SamplingParams, kind: str, compiled, eos_token_ids) -> None:
+    """The first token must be one the grammar allows and the request does not ban: a ``-inf`` logit_bias, or,
+    while ``min_new_tokens`` is not reached, ``stop_token_ids`` and EOS (unless ``ignore_eos``). If none is left,
+    the request could only be decoded outside its grammar: refuse it now. (Later steps are checked as they are
+    sampled: the scheduler ends a request whose grammar-allowed set becomes empty.)"""
+    banned = {tid for tid, bias in (sp.logit_bias or {}).items() if bias == -math.inf}
+    if sp.min_new_tokens > 0:
+        banned |= set(sp.stop_token_ids or ())
+        if not sp.ignore_eos:
+            banned |= set(eos_token_ids)
+    matcher_of = getattr(compiled, "matcher", None)
+    if not banned or matcher_of is None:
+        return
+    allowed = matcher_of().allowed_token_ids()
+    if not allowed or len(allowed) > len(banned) or not set(allowed) <= banned:
+        return
+    raise ValueError(f"no token allowed by the grammar ({kind}) is left to generate first: all of "
+                     f"{sorted(allowed)[:8]} are banned by logit_bias -inf"
+                     f"{' or by stop_token_ids/EOS under min_new_tokens' if sp.min_new_tokens > 0 else ''}")
