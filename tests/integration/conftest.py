@@ -161,7 +161,7 @@ class ServerHandle:
                 if check:
                     raise AssertionError(f"server did not exit within {SHUTDOWN_TIMEOUT_S} s of SIGTERM "
                                          f"(killed):\n{self.log_tail()}")
-        # The pipeline processes poll for their parent about once a second: give them a few seconds.
+        # The pipeline processes die with the server (PR_SET_PDEATHSIG); give the kernel and reaping a moment.
         deadline = time.monotonic() + 15
         while still_alive(self.seen_children) and time.monotonic() < deadline:
             time.sleep(0.25)

@@ -78,10 +78,15 @@ def read(path) -> str:
         return f.read()
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log, running=None) -> None:
+    """Polls /health until 200; fails if the server exits first (``running()``: whether it still runs, by default
+    ``proc`` is alive)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
-        assert proc.poll() is None, f"exited with {proc.returncode} during start-up:\n{read(log)[-3000:]}"
+        if running is None:
+            assert proc.poll() is None, f"exited with {proc.returncode} during start-up:\n{read(log)[-3000:]}"
+        else:
+            assert running(), f"the server exited during start-up:\n{read(log)[-3000:]}"
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -144,17 +149,8 @@ def test_server_dies_with_a_sigkilled_parent(tiny_gqa_dir, tmp_path):
     tree: dict[int, str] = {}
     try:
         server_pid = int(parent.stdout.readline())
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            assert parent.poll() is None
-            assert server_pid in descendants(parent.pid), f"the server exited during start-up:\n{read(log)[-3000:]}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"not healthy after {STARTUP_TIMEOUT_S} s:\n{read(log)[-3000:]}"
-            time.sleep(0.2)
+        wait_healthy(url, parent, log,
+                     running=lambda: parent.poll() is None and server_pid in descendants(parent.pid))
         pipeline(server_pid)
         tree = descendants(parent.pid)  # the server and its pipeline processes
         os.kill(parent.pid, signal.SIGKILL)
