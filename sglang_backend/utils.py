@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+import threading
 from typing import AsyncIterator, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -104,3 +106,53 @@ def pdeathsig_preexec(ignore_sigint: bool = False) -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+def release_freed_memory() -> None:
+    """Hands freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere). Python frees a failed
+    large computation's objects, but glibc keeps the pages: without this a grammar that hit its budget left
+    its peak resident memory behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # musl has no malloc_trim
+        pass
+
+
+class TimeLimitExceeded(Exception):
+    """Raised inside a ``time_limit`` block that ran past its limit."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Interrupts the Python code of this block (an asynchronous ``TimeLimitExceeded`` in this thread) once it has
+    run ``seconds``. Only bytecode is interrupted: a single long C call finishes first. For code that has no
+    budget of its own, such as a Jinja template's loops."""
+    import ctypes
+
+    tid = ctypes.c_ulong(threading.get_ident())
+    lock = threading.Lock()
+    state = {"done": False, "fired": False}
+
+    def interrupt():
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(tid, ctypes.py_object(TimeLimitExceeded))
+
+    timer = threading.Timer(seconds, interrupt)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+            if state["fired"]:  # the block ended just as the limit passed: drop the exception if still pending
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(tid, None)

@@ -40,6 +40,8 @@ class ServerArgs:
     disable_radix_cache: bool = field(default=False, metadata={"help": "No prefix reuse (ablation)"})
     table_cache: bool = field(default=False, metadata={"help": "Ablation (no tree): an exact-match table cache that reuses a cached sequence only whole, never part of one"})
     disable_jump_forward: bool = field(default=False, metadata={"help": "Decode grammar-forced text token by token (ablation)"})
+    grammar_compile_timeout: float = field(default=5.0, metadata={"help": "Seconds one request's regex / JSON schema may take to compile (schema -> regex -> automaton -> token masks); past it the request gets 400"})
+    grammar_max_regex_chars: int = field(default=64 * 1024, metadata={"help": "Largest regex a JSON schema may expand to (bounds $ref expansion); larger schemas get 400 at once"})
     enable_in_batch_prefix_dedup: bool = field(default=True, metadata={"help": "Hold back requests whose shared prefix is being computed"})
 
     # Runtime
@@ -59,7 +61,13 @@ class ServerArgs:
     graceful_shutdown_timeout: float = field(default=8.0, metadata={"help": "After SIGTERM: seconds the requests in flight get to finish before they are ended with an error (Ctrl-C ends them at once)"})
     request_timeout: float | None = field(default=None, metadata={"help": "Seconds a request may take end to end before it is aborted (504); default: no limit"})
     max_request_body_bytes: int = field(default=8 << 20, metadata={"help": "Larger request bodies get 413"})
+    prepare_workers: int | None = field(default=None, metadata={"help": "Threads that prepare requests (tokenizing, chat templates, images, grammar compilation); default: the CPU count, 2 to 8"})
+    chat_template: str | None = field(default=None, metadata={"help": "Chat template (a Jinja file or the template text) replacing the model's own; requests cannot send templates"})
+    chat_template_timeout: float = field(default=2.0, metadata={"help": "Seconds rendering one chat template may take before the request gets 400"})
     allow_local_media: bool = field(default=False, metadata={"help": "Let requests name local image/video files by path (off: base64/data URLs only)"})
+    header_read_timeout: float = field(default=10.0, metadata={"help": "Seconds a client has to send a request's complete headers, counted from the connection's opening or from the first byte of a next request on a kept-alive connection; then 408 and the connection is closed (slow-header clients)"})
+    body_read_timeout: float = field(default=30.0, metadata={"help": "Seconds a request's whole body may take to arrive after its headers; then 408 and the connection is closed (slow-body clients). Replies, streams included, are not limited by it"})
+    body_idle_timeout: float = field(default=10.0, metadata={"help": "Seconds a request's body may stall (no bytes received) before the request gets 408 and the connection is closed"})
 
     def __post_init__(self):
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -82,6 +90,15 @@ class ServerArgs:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
+        for name in ("header_read_timeout", "body_read_timeout", "body_idle_timeout"):
+            if not getattr(self, name) > 0:  # also refuses NaN
+                raise ValueError(f"{name} must be > 0")
+        if self.grammar_compile_timeout <= 0 or self.chat_template_timeout <= 0:
+            raise ValueError("grammar_compile_timeout and chat_template_timeout must be > 0")
+        if self.grammar_max_regex_chars < 1:
+            raise ValueError("grammar_max_regex_chars must be >= 1")
+        if self.prepare_workers is not None and self.prepare_workers < 1:
+            raise ValueError("prepare_workers must be >= 1")
         if self.table_cache and (self.disable_radix_cache or self.page_size != 1):
             raise ValueError("table_cache needs the cache on (no disable_radix_cache) and page_size 1")
 

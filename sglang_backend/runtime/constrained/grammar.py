@@ -56,6 +56,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...utils import release_freed_memory
+from . import budget as grammar_budget
 from .compressed_fsm import CompressedFSM
 from .json_schema import build_regex_from_schema
 from .regex_fsm import ByteDFA
@@ -334,8 +336,12 @@ class GrammarCache:
 
     def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids=None, *,
                  whitespace: str = "default", cache_dir: str | None = None, disk_cache: bool = True,
-                 max_memory_entries: int = 128, max_workers: int = 1, regex_options: dict | None = None):
+                 max_memory_entries: int = 128, max_workers: int = 1, regex_options: dict | None = None,
+                 timeout_s: float = grammar_budget.DEFAULT_TIMEOUT_S,
+                 max_regex_chars: int = grammar_budget.DEFAULT_MAX_REGEX_CHARS):
         self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+        self.max_regex_chars = max_regex_chars
         self.vocab: TokenVocabulary = get_vocabulary(tokenizer)
         self.vocab_size = int(vocab_size if vocab_size is not None else self.vocab.size)
         if eos_token_ids is None:
@@ -378,8 +384,14 @@ class GrammarCache:
                 self._lru.move_to_end(key)
             return hit
 
-    def compile(self, kind: str, spec: Any) -> CompiledGrammar:
-        """Compile (or fetch) a grammar. Raises ``ValueError`` for bad grammars."""
+    def budget(self, cancel: threading.Event | None = None) -> grammar_budget.GrammarBudget:
+        """A fresh compile budget with this cache's limits; ``cancel`` stops the work when set."""
+        return grammar_budget.GrammarBudget(self.timeout_s, self.max_regex_chars, cancel)
+
+    def compile(self, kind: str, spec: Any, cancel: threading.Event | None = None) -> CompiledGrammar:
+        """Compile (or fetch) a grammar within one budget for the whole path (``budget.py``). Raises
+        ``ValueError`` for bad grammars (``GrammarTooComplex`` past the budget, ``CompileCancelled`` once
+        ``cancel`` is set)."""
         key = _normalise_spec(kind, spec)
         hit = self._cached(key)
         if hit is not None:
@@ -387,16 +399,20 @@ class GrammarCache:
                 raise ValueError(str(hit))
             return hit  # type: ignore[return-value]
         try:
-            if key[0] == "ebnf":
-                compiled = self._ebnf(key[1])
-            else:
-                regex = key[1] if key[0] == "regex" else build_regex_from_schema(key[1], self.whitespace)
-                dfa, index = self.index_cache.get(regex)
+            with grammar_budget.active(self.budget(cancel)):
+                if key[0] == "ebnf":
+                    compiled = self._ebnf(key[1])
+                else:
+                    regex = key[1] if key[0] == "regex" else build_regex_from_schema(key[1], self.whitespace)
+                    dfa, index = self.index_cache.get(regex)
         except ValueError as e:
-            with self._lock:
-                self._lru[key] = e
-                self._trim()
+            if not isinstance(e, (grammar_budget.GrammarTimeout, grammar_budget.CompileCancelled)):
+                with self._lock:
+                    self._lru[key] = e  # a verdict on the grammar itself: the same one sent again fails at once
+                    self._trim()
             raise
+        finally:
+            release_freed_memory()
         if key[0] != "ebnf":
             compiled = CompiledGrammar(key[0], key[1], regex, dfa, index, self.vocab, self.eos_token_ids)
         with self._lock:

@@ -42,6 +42,8 @@ import math
 import re
 from typing import Any
 
+from . import budget as _budget
+
 __all__ = ["build_regex_from_schema", "schema_from_pydantic", "STRING_CHAR", "WHITESPACE_DEFAULT"]
 
 WHITESPACE_DEFAULT = "default"
@@ -377,6 +379,18 @@ class _Converter:
 
     # -- main dispatch -----------------------------------------------------------------------------
     def visit(self, schema: Any, nesting: int = 0) -> str | None:
+        """The regex for ``schema``, within the active compile budget: its deadline is checked at every node
+        and the regex size after every node, so a schema whose ``$ref`` expansion explodes fails early."""
+        budget = _budget.current()
+        if budget is None:
+            return self._visit(schema, nesting)
+        budget.check("JSON schema -> regex")
+        regex = self._visit(schema, nesting)
+        if regex is not None:
+            budget.check_regex_size(len(regex))
+        return regex
+
+    def _visit(self, schema: Any, nesting: int = 0) -> str | None:
         if schema is True or schema == {}:
             return self.any_value(self.max_nesting_depth)
         if schema is False:
@@ -707,7 +721,8 @@ def build_regex_from_schema(schema: Any, whitespace: str = WHITESPACE_DEFAULT, *
     """Regex for JSON documents valid under ``schema``.
 
     ``schema`` may be a dict, a JSON string, or a pydantic model class. Raises ``ValueError`` for
-    invalid or unsatisfiable schemas and for keywords we cannot honour.
+    invalid or unsatisfiable schemas and for keywords we cannot honour, and ``budget.GrammarTooComplex`` (also a
+    ``ValueError``) past the active compile budget (see ``budget``; the default one when none is active).
     """
     if isinstance(schema, type) or hasattr(schema, "model_json_schema"):
         schema = schema_from_pydantic(schema)
@@ -720,7 +735,8 @@ def build_regex_from_schema(schema: Any, whitespace: str = WHITESPACE_DEFAULT, *
         raise ValueError(f"invalid schema: expected a JSON object, got {type(schema).__name__}")
     _check_schema(schema)
     conv = _Converter(schema, whitespace, max_recursion_depth, max_nesting_depth)
-    regex = conv.visit(schema)
+    with _budget.active(_budget.GrammarBudget()):  # the caller's budget if one is active, else the default one
+        regex = conv.visit(schema)
     if regex is None:
         raise ValueError("schema is unsatisfiable: no JSON value satisfies it (within the supported subset)")
     return regex

@@ -69,6 +69,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import budget as grammar_budget
+
 __all__ = [
     "ByteDFA",
     "compile_regex",
@@ -104,6 +106,7 @@ def _check_budget(n_states: int) -> None:
     deadline = getattr(_budget, "deadline", None)
     if deadline is not None and time.monotonic() > deadline:
         raise _TooComplex(f"compilation took longer than {_budget.timeout_s:g}s")
+    grammar_budget.check("regex -> DFA")  # the whole grammar path's deadline and cancellation (budget.py)
 
 
 def _dict_key(d):

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import budget as grammar_budget
 from .regex_fsm import DEFAULT_TIMEOUT_S, ByteDFA, compile_regex
 
 __all__ = [
@@ -457,6 +458,7 @@ def build_token_index(dfa: ByteDFA, vocab: TokenVocabulary, vocab_size: int, eos
         if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
             raise ValueError(f"regex too complex: {dfa.pattern[:120]!r}: token index build took longer than "
                              f"{timeout_s:g}s ({dfa.num_states} states)")
+        grammar_budget.check("token index")
 
     n = dfa.num_states
     eos = sorted(int(e) for e in eos_token_ids if 0 <= int(e) < vocab_size)
@@ -635,14 +637,18 @@ class TokenIndexCache:
                 raise ValueError(str(hit))
             return hit  # type: ignore[return-value]
         if not owner:
-            return fut.result()
+            try:
+                return fut.result()
+            except grammar_budget.CompileCancelled:
+                return self.get(regex)  # the build we waited for was cancelled, not this request: build it here
         try:
             result = self._build(key, regex)
         except ValueError as e:
             with self._lock:
                 self.stats["errors"] += 1
                 self._inflight.pop(key, None)
-            self._remember(key, e)
+            if not isinstance(e, (grammar_budget.GrammarTimeout, grammar_budget.CompileCancelled)):
+                self._remember(key, e)  # a verdict on the grammar; a timeout depends on the load, so retry it later
             fut.set_exception(e)
             raise
         except BaseException as e:

@@ -14,8 +14,6 @@ credential that sent them (the Authorization header), so one client cannot abort
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
 import hashlib
 import hmac
 import inspect
@@ -35,11 +33,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...utils import die_with_parent_if_requested
+from ..managers import chat_templates
 from ..managers.detokenizer_manager import format_logprob_pairs
 from ..managers.tokenizer_manager import GenerateInput, Overloaded, RequestFailed, ServerUnavailable, TokenizerManager
 from ..managers.validation import MAX_PROMPTS_PER_REQUEST, check_text
 from .metrics import ServerMetrics
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .preparation import PreparationAborted, PreparationPool, default_workers
 
 logger = logging.getLogger(__name__)
 
@@ -165,13 +165,20 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     if server_args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes)
-    # One worker thread for tokenizing, chat templates and grammar compilation: CPU-heavy request preparation
-    # stays off the event loop (streams, health checks and aborts keep flowing) and the tokenizer is never
-    # used from two threads at once.
-    prep_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
+    # Tokenizing, chat templates, images and grammar compilation run off the event loop (streams, health checks
+    # and aborts keep flowing), on several threads, each job bounded (preparation.py).
+    prep = PreparationPool(server_args.prepare_workers or default_workers(), tm.check_room,
+                           server_args.request_timeout)
+    app.state.preparation = prep
 
-    async def off_loop(fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(prep_pool, functools.partial(fn, *args, **kwargs))
+    async def off_loop(request: Request, job, prompts: int = 1):
+        """``job(cancel)`` on the preparation pool; a ValueError from it is the client's error (400)."""
+        try:
+            return await prep.run(request, job, prompts)
+        except PreparationAborted as e:
+            raise APIError(str(e), e.status, "timeout_error" if e.status == 504 else "invalid_request_error")
+        except ValueError as e:
+            raise APIError(str(e))
 
     async def read_json(request: Request) -> Any:
         # A JSON body must say so. Browsers send text/plain and form bodies cross-origin without a preflight,
@@ -214,13 +221,10 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         check_count(len(items))
         owner = request_owner(request)
 
-        def work():
-            return [tm.prepare(**kw, owner=owner) for kw in items]
+        def work(cancel):
+            return [tm.prepare(**kw, owner=owner, cancel=cancel) for kw in items]
 
-        try:
-            gis = await off_loop(work)
-        except ValueError as e:
-            raise APIError(str(e))
+        gis = await off_loop(request, work, len(items))
         tm.check_capacity(gis)
         return gis
 
@@ -295,6 +299,40 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             raise APIError("stream=true takes a single prompt")
         # image_data: one prompt takes an image or a list of them; a batch takes one such entry per prompt.
         images = [obj.image_data] if not is_batch else per(obj.image_data, "image_data")
+
+        # sampling_params.n (upstream's parallel sampling): n samples of each prompt, grouped per prompt, all of them
+        # counted against the per-request cap. With a seed, sample i uses seed + i (as n does on the OpenAI routes).
+        def samples_of(sp) -> int:
+            v = sp.get("n") if isinstance(sp, dict) else None
+            if v is None:
+                return 1
+            if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, float) and v.is_integer()):
+                raise APIError(f"sampling_params.n must be an integer >= 1, got {v!r}", param="n")
+            if v < 1:
+                raise APIError(f"sampling_params.n must be >= 1, got {int(v)}", param="n")
+            return int(v)
+
+        def copies(sp: dict) -> list[dict]:
+            base = {k: v for k, v in sp.items() if k != "n"}
+            key = next((k for k in ("seed", "sampling_seed") if base.get(k) is not None), None)
+            seed = base.get(key) if key else None
+            seed = int(seed) if isinstance(seed, float) and seed.is_integer() else seed
+            if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+                return [dict(base) for _ in range(n_samples)]  # unseeded (or a bad seed, which prepare refuses)
+            return [{**base, key: seed if i == 0 else (seed + i) % 2**64} for i in range(n_samples)]
+
+        counts = {samples_of(sp) for sp in sps}
+        if len(counts) > 1:
+            raise APIError("sampling_params.n must be the same for every prompt of a batch", param="n")
+        n_samples = counts.pop()
+        if n * n_samples > MAX_PROMPTS_PER_REQUEST:
+            raise APIError(f"sampling_params.n = {n_samples} for {n} prompt(s) asks for {n * n_samples} samples; one request "
+                           f"may carry at most {MAX_PROMPTS_PER_REQUEST} (prompts x n)", param="n")
+        if n_samples > 1:
+            items, lps, starts, tops, images = ([v for v in vals for _ in range(n_samples)]
+                                                for vals in (items, lps, starts, tops, images))
+            sps = [c for sp in sps for c in copies(sp)]
+            rids = [None if rid is None else f"{rid}-{i}" for rid in rids for i in range(n_samples)]  # still unique
         kwargs = []
         for item, sp, lp, st, top, rid, im in zip(items, sps, lps, starts, tops, rids, images):
             text, ids = (item, None) if isinstance(item, str) else (None, item)
@@ -315,12 +353,17 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
 
         if obj.stream:
             async def sse():
-                async for out in tm.generate(gis[0]):
-                    yield sse_event(finish(out))
+                if len(gis) == 1:
+                    async for out in tm.generate(gis[0]):
+                        yield sse_event(finish(out))
+                    return
+                # n > 1: the samples' chunks interleave; each carries its sample's "index" (as upstream's).
+                async for i, out in merge_streams([tm.generate(gi) for gi in gis]):
+                    yield sse_event({**finish(out), "index": i})
 
             return StreamingResponse(sse_stream(sse()), media_type="text/event-stream")
         outs = [finish(o) for o in await run_all(request, gis)]
-        return outs if is_batch else outs[0]
+        return outs if is_batch or n_samples > 1 else outs[0]
 
     # OpenAI-compatible API ------------------------------------------------------------------------------------------
     def sampling_from_openai(req, max_tokens: int | None) -> dict:
@@ -436,16 +479,17 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         template_vars = req.chat_template_kwargs or {}
         refused = sorted(set(template_vars) & reserved_template_args)
         if refused:
-            # Only the model's own template runs (a client's template is code: unbounded loops on the shared
-            # preparation thread); clients set template variables, as upstream's chat_template_kwargs does.
+            # Only the server's template runs (a client's template is code: chat_templates.py); clients set
+            # template variables, as upstream's chat_template_kwargs does.
             raise APIError(f"chat_template_kwargs sets template variables only; {refused} cannot be set "
-                           f"(the server renders the model's own chat template)", param="chat_template_kwargs")
+                           f"(the server renders its own chat template)", param="chat_template_kwargs")
         try:
-            return tm.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=not req.continue_final_message,
+            return chat_templates.render_chat(
+                tm.tokenizer, messages, server_args.chat_template_timeout,
+                add_generation_prompt=not req.continue_final_message,
                 continue_final_message=req.continue_final_message, **template_vars)
-        except APIError:
-            raise
+        except chat_templates.TemplateTooSlow as e:
+            raise APIError(str(e), param="messages")
         except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
             raise APIError(f"the messages do not fit the model's chat template: {e}", param="messages")
 
@@ -454,7 +498,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         req = parse(ChatCompletionRequest, await read_json(request))
         check_model(req.model)
         images: list = []
-        prompt = await off_loop(render_chat, req, images)
+        prompt = await off_loop(request, lambda _cancel: render_chat(req, images))
         sp = sampling_from_openai(req, req.max_completion_tokens or req.max_tokens)
         if req.response_format is not None and req.response_format.type != "text":
             sp.pop("regex", None)
@@ -574,7 +618,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             check_text(data["prompt"], tm.limits)
         except ValueError as e:
             raise APIError(str(e), param="prompt")
-        tokens = await off_loop(tm.tokenize, data["prompt"])
+        tokens = await off_loop(request, lambda _cancel: tm.tokenize(data["prompt"]))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": tm.info.get("context_len")}
 
     @app.get("/v1/models")
@@ -840,6 +884,8 @@ def launch_server(server_args) -> None:
     """
     import uvicorn
 
+    from .connection_guard import DrainingMiddleware, guarded_h11_protocol
+
     die_with_parent_if_requested()
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     stop = _StopSignals()
@@ -854,7 +900,12 @@ def launch_server(server_args) -> None:
     try:
         tm.launch()  # model loading (on a first run also the embedded model's conversion)
         app = create_app(tm, server_args)
-        server = Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
+        # Outermost: once stopping, requests (on connections still open) get 503 + Retry-After, not started.
+        app.add_middleware(DrainingMiddleware, is_draining=lambda: server.should_exit, retry_after=RETRY_AFTER_S)
+        # h11 with header and body read timeouts (slow clients), idle connections kept for the drain's 503s.
+        protocol = guarded_h11_protocol(server_args.header_read_timeout, server_args.body_read_timeout,
+                                        server_args.body_idle_timeout)
+        server = Server(uvicorn.Config(app, host=server_args.host, port=server_args.port, http=protocol,
                                        log_level=server_args.log_level, timeout_keep_alive=30,
                                        timeout_graceful_shutdown=server_args.graceful_shutdown_timeout + 2))
         stop.server = server

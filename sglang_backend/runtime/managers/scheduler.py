@@ -152,7 +152,10 @@ class Scheduler:
         if self._grammar_cache is None:
             from ..constrained import GrammarCache
 
-            self._grammar_cache = GrammarCache(self.tokenizer, self.model_runner.vocab_size, self.eos_token_ids)
+            sa = self.server_args
+            self._grammar_cache = GrammarCache(self.tokenizer, self.model_runner.vocab_size, self.eos_token_ids,
+                                               timeout_s=sa.grammar_compile_timeout,
+                                               max_regex_chars=sa.grammar_max_regex_chars)
         return self._grammar_cache
 
     def add_request(self, req: Req) -> None:

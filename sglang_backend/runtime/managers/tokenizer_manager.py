@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -21,6 +22,7 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from .chat_templates import read_chat_template
 from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, StrOut, TokenizedGenerateReq
 from .validation import (
     ModelLimits,
@@ -99,6 +101,7 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self.info: dict = {}
         self.metrics = None  # set by the HTTP server
+        self.tokenizer_lock = threading.Lock()
 
     # Start-up / shutdown ------------------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -121,6 +124,8 @@ class TokenizerManager:
         sa = self.server_args
         model_dir = resolve_model_path(sa.model_path)  # fails fast (ValueError) on unknown models
         self.tokenizer = load_tokenizer(sa.tokenizer_path or model_dir)
+        if sa.chat_template:
+            self.tokenizer.chat_template = read_chat_template(sa.chat_template)
         from ..model_loader.loader import load_config
         from ..multimodal.processor import MultimodalProcessor
 
@@ -159,11 +164,15 @@ class TokenizerManager:
     @property
     def grammar_cache(self):
         """Same cache key as the scheduler's (vocab, EOS ids), so its disk cache serves both processes."""
-        if self._grammar_cache is None:
-            from ..constrained import GrammarCache
+        with self.tokenizer_lock:  # built once (it reads the vocabulary), by whichever preparing thread comes first
+            if self._grammar_cache is None:
+                from ..constrained import GrammarCache
 
-            self._grammar_cache = GrammarCache(self.tokenizer, self.limits.vocab_size, set(self.info["eos_token_ids"]))
-        return self._grammar_cache
+                sa = self.server_args
+                self._grammar_cache = GrammarCache(
+                    self.tokenizer, self.limits.vocab_size, set(self.info["eos_token_ids"]),
+                    timeout_s=sa.grammar_compile_timeout, max_regex_chars=sa.grammar_max_regex_chars)
+            return self._grammar_cache
 
     def start_background(self) -> None:
         """Called inside the server's event loop."""
@@ -232,14 +241,19 @@ class TokenizerManager:
             state.queue.put_nowait(msg)
 
     # Requests ---------------------------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # Requests are prepared on several threads; one tokenizer call at a time (HF fast tokenizers may
+        # reconfigure their Rust state per call, which fails when another thread is inside it).
+        with self.tokenizer_lock:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def prepare(self, *, text: str | None = None, input_ids: list[int] | None = None, sampling_params: dict | None = None,
                 rid: str | None = None, stream: bool = False, return_logprob: bool = False,
                 logprob_start_len: int | None = None, top_logprobs_num: int | None = 0, extra_key=None,
-                image_data=None, add_special_tokens: bool = True, owner: str = "") -> GenerateInput:
-        """Tokenizes and validates one prompt; raises ValueError with the reason."""
+                image_data=None, add_special_tokens: bool = True, owner: str = "",
+                cancel: threading.Event | None = None) -> GenerateInput:
+        """Tokenizes and validates one prompt; raises ValueError with the reason. Thread-safe (the server prepares
+        requests on several threads); setting ``cancel`` stops a grammar compilation in progress."""
         if self.dead_reason is not None:
             raise ServerUnavailable(self.dead_reason)
         if (text is None) == (input_ids is None):
@@ -249,7 +263,7 @@ class TokenizerManager:
             raise ValueError(f"request id {rid!r} is already in use")
         if text is not None:
             check_text(text, self.limits)
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens) if text is not None else list(input_ids)
+        ids = self.tokenize(text, add_special_tokens) if text is not None else list(input_ids)
         check_input_ids(ids, self.limits)
         mm_inputs = None
         if image_data is not None:
@@ -257,9 +271,10 @@ class TokenizerManager:
                 raise ValueError("image_data was given, but this model takes no images")
             ids, mm_inputs = self.mm_processor.expand(ids, image_data, self.limits.context_len,
                                                       self.limits.max_total_num_tokens, return_logprob, logprob_start_len)
-        sp = parse_sampling_params(sampling_params, self.limits, self.tokenizer)
+        with self.tokenizer_lock:  # stop strings are tokenized
+            sp = parse_sampling_params(sampling_params, self.limits, self.tokenizer)
         check_total_length(len(ids), sampling_params, sp, self.limits)
-        check_grammar(sp, self.grammar_cache)
+        check_grammar(sp, self.grammar_cache, cancel)
         check_logprob_args(len(ids), logprob_start_len, top_logprobs_num)
         return GenerateInput(uuid.uuid4().hex, ids, dict(sampling_params or {}), stream, return_logprob,
                              logprob_start_len, int(top_logprobs_num or 0), extra_key, mm_inputs, rid, owner)
@@ -268,14 +283,18 @@ class TokenizerManager:
         """Bounded queue: running slots plus max_queued_requests waiting; beyond that, refuse. Admitted requests
         hold a reservation until generate() starts, or until they are dropped unstarted (a stream whose client
         left first): a weakref finalizer gives the place back then."""
-        sa = self.server_args
-        in_flight = len(self.rid_to_state) + self.reserved
-        if in_flight + len(gis) > sa.max_running_requests + sa.max_queued_requests:
-            raise Overloaded(f"{in_flight} requests in flight; the server queues at most "
-                             f"{sa.max_running_requests + sa.max_queued_requests}")
+        self.check_room(len(gis))
         for gi in gis:
             self.reserved += 1
             gi.reservation = weakref.finalize(gi, self._unreserve)
+
+    def check_room(self, n: int) -> None:
+        """Raises ``Overloaded`` if ``n`` more requests would pass the in-flight bound (running + queued)."""
+        sa = self.server_args
+        in_flight = len(self.rid_to_state) + self.reserved
+        if in_flight + n > sa.max_running_requests + sa.max_queued_requests:
+            raise Overloaded(f"{in_flight} requests in flight; the server queues at most "
+                             f"{sa.max_running_requests + sa.max_queued_requests}")
 
     def _unreserve(self) -> None:
         self.reserved -= 1

@@ -112,15 +112,16 @@ def check_logprob_args(input_len: int, logprob_start_len: int | None, top_logpro
         raise ValueError(f"logprob_start_len {logprob_start_len} is beyond the prompt ({input_len} tokens)")
 
 
-def check_grammar(sp: SamplingParams, grammar_cache) -> None:
+def check_grammar(sp: SamplingParams, grammar_cache, cancel=None) -> None:
     """Compiles the request's regex / JSON schema / ebnf grammar now (cached; ebnf needs llguidance), so an
-    invalid, unsatisfiable or unrealisable one is a clear error before any decoding."""
+    invalid, unsatisfiable, unrealisable or too complex one (past the cache's compile budget) is a clear error
+    before any decoding. Setting the ``cancel`` event stops the compilation."""
     for kind in ("regex", "json_schema", "ebnf"):
         spec = getattr(sp, kind)
         if spec is None:
             continue
         try:
-            compiled = grammar_cache.compile(kind, spec)
+            compiled = grammar_cache.compile(kind, spec, cancel=cancel)
         except RecursionError:  # e.g. a schema nested hundreds of levels deep (jsonschema validates recursively)
             raise ValueError(f"{kind} is nested too deeply") from None
         check_grammar_not_banned(sp, kind, compiled, getattr(grammar_cache, "eos_token_ids", ()))

@@ -20,7 +20,8 @@ def _pil():
     return Image
 
 
-def _decode_bytes(data: bytes, what: str):
+def _decode_bytes(data: bytes, what: str, unreadable: ValueError | None = None):
+    """``unreadable``: the error for bytes that are not an image, in place of the decoder's own."""
     Image = _pil()
     try:
         img = Image.open(io.BytesIO(data))
@@ -28,18 +29,30 @@ def _decode_bytes(data: bytes, what: str):
     except Image.DecompressionBombError as e:
         raise ValueError(f"{what}: image is too large ({e})") from None
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad files; all mean "unreadable"
+        if unreadable is not None:
+            raise unreadable from None
         raise ValueError(f"{what}: cannot decode the image ({type(e).__name__}: {e})") from None
     return img.convert("RGB")
 
 
-def _read_path(path: str, allow_local_media: bool, what: str):
-    if not allow_local_media:
-        raise ValueError(f"{what}: local file paths are disabled on this server (start it with --allow-local-media), "
-                         "send the image as base64 or a data URL")
+def _refused(what: str) -> ValueError:
+    """The one error for every string that is neither a base64 image nor a data URL while local paths are
+    disabled: the same bytes whatever the string names (an existing file, a missing one, a directory, an
+    unreadable one), so a client cannot probe the server's file system. Nothing is looked up to produce it."""
+    return ValueError(f"{what}: expected a base64-encoded image or a data URL (data:image/<format>;base64,...); "
+                      "local file paths are disabled on this server (start it with --allow-local-media)")
+
+
+def _read_path(path: str, what: str):
+    """Only with ``allow_local_media``: the errors may then name the problem."""
     if not os.path.isfile(path):
         raise ValueError(f"{what}: image file not found: {path!r}")
-    with open(path, "rb") as f:
-        return _decode_bytes(f.read(), what)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read image file {path!r} ({e.strerror or type(e).__name__})") from None
+    return _decode_bytes(data, what)
 
 
 def load_image(item, allow_local_media: bool = False, what: str = "image"):
@@ -70,15 +83,25 @@ def load_image(item, allow_local_media: bool = False, what: str = "image"):
         return _decode_bytes(data, what)
     if item.startswith(("http://", "https://")):
         raise ValueError(f"{what}: remote URLs are not fetched; send the image as base64 or a data URL")
+    if not allow_local_media:
+        # Bare base64 or nothing. The file system is never consulted: any string that is not a decodable
+        # base64 image (file:// URLs and paths of every kind included) gets the one message of _refused.
+        if item.startswith("file://"):
+            raise _refused(what)
+        try:
+            data = base64.b64decode(item, validate=True)
+        except (binascii.Error, ValueError):
+            raise _refused(what) from None
+        return _decode_bytes(data, what, unreadable=_refused(what))
     if item.startswith("file://"):
-        return _read_path(item[len("file://"):], allow_local_media, what)
+        return _read_path(item[len("file://"):], what)
     if len(item) < 4096 and os.path.exists(item):
-        return _read_path(item, allow_local_media, what)
+        return _read_path(item, what)
     try:
         data = base64.b64decode(item, validate=True)
     except (binascii.Error, ValueError):
         if os.sep in item or os.path.splitext(item)[1]:  # meant as a path
-            return _read_path(item, allow_local_media, what)
+            return _read_path(item, what)
         raise ValueError(f"{what}: not a file path, a data URL or base64: {item[:80]!r}") from None
     return _decode_bytes(data, what)
 

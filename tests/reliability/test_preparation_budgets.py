@@ -1,0 +1,78 @@
+"""Request preparation is bounded on a real server (issue 21, items 2 and 3): a schema whose $ref expansion explodes
+and a client-sent template answer 400 within a second; a grammar past ``--grammar-compile-timeout`` and a server
+template past ``--chat-template-timeout`` answer 400 at their limit while other requests go on being served."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import uuid
+
+import httpx
+
+HOSTILE_TEMPLATE = "{% for i in range(20000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}hi"
+
+
+def nested_schema(levels: int) -> dict:
+    tag = uuid.uuid4().hex[:8]  # fresh property names: no cached verdict or index
+    defs = {}
+    for i in range(levels):
+        nxt = {"$ref": f"#/$defs/d{i + 1}"} if i + 1 < levels else {"type": "string"}
+        defs[f"d{i}"] = {"type": "object", "properties": {f"a{tag}": nxt, f"b{tag}": nxt},
+                         "required": [f"a{tag}", f"b{tag}"]}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def chat(server, timeout=60, **extra) -> tuple[httpx.Response, float]:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, **extra}
+    t0 = time.perf_counter()
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers, timeout=timeout)
+    return r, time.perf_counter() - t0
+
+
+def schema_format(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def test_nested_defs_schema_answers_400_within_a_second(rel_server):
+    r, secs = chat(rel_server, **schema_format(nested_schema(15)))
+    assert r.status_code == 400, r.text
+    assert "too complex" in r.json()["error"]["message"]
+    assert secs <= 1.0
+    r, _ = chat(rel_server)
+    assert r.status_code == 200
+
+
+def test_client_template_answers_400_within_a_second(rel_server):
+    r, secs = chat(rel_server, chat_template_kwargs={"chat_template": HOSTILE_TEMPLATE})
+    assert r.status_code == 400, r.text
+    assert "template variables only" in r.json()["error"]["message"]
+    assert secs <= 1.0
+
+
+def test_compile_and_template_time_limits_leave_other_requests_served(rel, tmp_path):
+    template = tmp_path / "slow.jinja"
+    template.write_text(HOSTILE_TEMPLATE)
+    server = rel.start_server("--grammar-compile-timeout", "0.3", "--chat-template", str(template),
+                              "--chat-template-timeout", "0.3")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            slow = pool.submit(chat, server, **schema_format(nested_schema(8)))  # ~1-2 s of compiling, unbounded
+            time.sleep(0.05)
+            body = {"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+            normal = httpx.post(server.url + "/generate", json=body, headers=server.headers, timeout=60)
+            r, secs = slow.result()
+        assert normal.status_code == 200, normal.text
+        assert r.status_code == 400, r.text
+        assert "longer than 0.3s" in r.json()["error"]["message"]
+        assert secs < 2.0
+        # The operator's template loops too long: chat requests get 400 at the limit, the rest keeps working.
+        r, secs = chat(server)
+        assert r.status_code == 400, r.text
+        assert "rendering the chat template took longer than 0.3s" in r.json()["error"]["message"]
+        assert secs < 2.0
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        rel.assert_healthy_and_whole(server)
+    finally:
+        orphans = server.stop()
+    assert not orphans
