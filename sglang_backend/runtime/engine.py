@@ -26,6 +26,7 @@ from .managers.validation import (
     check_total_length,
     parse_sampling_params,
 )
+from .sampling_params import parallel_samples
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,19 @@ class Engine:
         tops = per_item(top_logprobs_num, "top_logprobs_num")
         rids = per_item(rid, "rid") if rid is not None else [None] * n
         images = per_item(image_data, "image_data") if is_batch else [image_data]
+        # sampling_params n (parallel sampling): n samples of each prompt, grouped per prompt; the result is a list.
+        samples = [parallel_samples(p) if p is None or isinstance(p, dict) else [p] for p in params]
+        n_samples = len(samples[0]) if samples else 1
+        if any(len(s) != n_samples for s in samples):
+            raise ValueError("sampling_params n must be the same for every prompt of a batch")
+        params = [c for s in samples for c in s]
+        if n_samples > 1:
+            if stream:
+                raise ValueError("stream=True takes a single sample (n=1)")
+            ids_list, logprob_flags, starts, tops, images = ([v for v in vals for _ in range(n_samples)] for vals in
+                                                             (ids_list, logprob_flags, starts, tops, images))
+            rids = [None if r is None else f"{r}-{i}" for r in rids for i in range(n_samples)]
+            is_batch = True
         if any(im is not None for im in images) and self.mm_processor is None:
             raise ValueError("image_data was given, but this model takes no images")
 

@@ -241,3 +241,22 @@ def _coerce(name: str, v: Any) -> Any:
             out[tid] = float(b)
         return out
     raise AssertionError(f"no coercion rule for field {name}")  # pragma: no cover
+
+
+def parallel_samples(params: dict | None) -> list[dict]:
+    """Parallel sampling (upstream's ``n``): the sampling params of each of a prompt's ``n`` samples, without ``n``.
+    With a seed, sample i uses seed + i (mod 2**64): the samples differ, stay reproducible, and sample 0 is what
+    ``n=1`` gives; unseeded (or greedy) samples share the params. Raises ValueError for an ``n`` that is not an
+    integer >= 1 (an integral float such as 2.0 is one, as for the other integer parameters)."""
+    params = dict(params or {})
+    n = params.pop("n", None)
+    n = 1 if n is None else _coerce("n", n)
+    if n < 1:
+        raise ValueError(f"sampling parameter 'n' must be >= 1, got {n}")
+    key = next((k for k in ("seed", *_ALIASES) if params.get(k) is not None), None)
+    seed = params.get(key) if key else None
+    if isinstance(seed, float) and seed.is_integer():
+        seed = int(seed)
+    if n == 1 or not _is_int(seed):
+        return [dict(params) for _ in range(n)]  # a malformed seed is refused later, when the params are parsed
+    return [{**params, key: seed if i == 0 else (seed + i) % 2**64} for i in range(n)]

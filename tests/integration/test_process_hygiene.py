@@ -29,6 +29,7 @@ import pytest
 from tests.integration.conftest import REPO_ROOT, descendants, free_port
 from tests.integration.conftest import _proc_table as proc_table
 from tests.integration.conftest import still_alive as alive
+from tests.sse import BackgroundStream
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="PR_SET_PDEATHSIG and /proc are Linux-only")
@@ -178,25 +179,10 @@ def stop_with_a_stream_in_flight(model_dir: str, tmp_path, send_signal,
     try:
         wait_healthy(url, proc, err)
         kids = pipeline(proc.pid)
-        events: list[str] = []
-        streaming = threading.Event()
-
-        def stream():
-            body = {"input_ids": [5, 6, 7, 8], "stream": True,
-                    "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
-            try:
-                with httpx.stream("POST", url + "/generate", json=body, timeout=30) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[len("data: "):])
-                            streaming.set()
-            except httpx.HTTPError as exc:
-                events.append(f"client error: {exc!r}")
-            streaming.set()
-
-        client = threading.Thread(target=stream, daemon=True)
-        client.start()
-        assert streaming.wait(20), "the stream produced nothing"
+        stream = BackgroundStream(url, {"input_ids": [5, 6, 7, 8], "stream": True,
+                                         "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}},
+                                  timeout=30).start()
+        assert stream.started.wait(20), "the stream produced nothing"
         send_signal(proc.pid)
         t0 = time.monotonic()
         try:
@@ -204,10 +190,10 @@ def stop_with_a_stream_in_flight(model_dir: str, tmp_path, send_signal,
         except subprocess.TimeoutExpired:
             pytest.fail(f"still running 15 s after the signal:\n{read(err)[-3000:]}")
         took = time.monotonic() - t0
-        client.join(timeout=10)
+        stream.thread.join(timeout=10)
         left = wait_gone(kids, GONE_WITHIN_S)
         assert not left, f"still running after the server exited: {left}"
-        return code, took, read(err), events
+        return code, took, read(err), stream.events
     finally:
         stop(proc)
 

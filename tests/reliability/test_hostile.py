@@ -1,5 +1,6 @@
 """Hostile input: a hand-written corpus of >= 200 malicious or malformed requests, then a hypothesis fuzz run over
-the server's own OpenAPI schema (bodies drawn from each route's JSON schema, plus type-confused mutations).
+the server's own OpenAPI schema: >= 1,000 requests from a fixed seed, bodies drawn from each route's JSON schema (and
+typed /generate sampling params, which the schema leaves free-form), plus type-confused mutations.
 
 Every answer is < 500; a 4xx carries an OpenAI-style error body and no stack trace; the server stays alive
 and healthy, and the KV pool is whole afterwards (checked by the autouse fixture in conftest)."""
@@ -7,11 +8,15 @@ and healthy, and the KV pool is whole afterwards (checked by the autouse fixture
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from sglang_backend.runtime.managers.validation import MAX_PROMPTS_PER_REQUEST
 
 KEY_A, KEY_B = "sk-reliability-a", "sk-reliability-b"  # the keys conftest starts the server with
 
@@ -203,6 +208,13 @@ def send(server, method: str, path: str, body, extra_headers: dict, timeout: flo
 def check_answer(r: httpx.Response, where: str) -> None:
     assert r.status_code < 500, f"{where}: {r.status_code} {r.text[:300]}"
     assert "Traceback" not in r.text and 'File "' not in r.text, f"{where}: stack trace leaked: {r.text[:300]}"
+    if r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
+        # A stream's failure is an error event: the same rule, no server-side (5xx) error.
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", f"{where}: stream not ended by [DONE]: {r.text[-300:]}"
+        for event in events[:-1]:
+            err = json.loads(event).get("error")
+            assert err is None or err.get("code", 500) < 500, f"{where}: stream error {event[:300]}"
     if r.status_code >= 400 and r.request.method != "HEAD":
         err = r.json().get("error")
         assert isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"], f"{where}: {r.text[:300]}"
@@ -254,7 +266,8 @@ def _mutate(draw, value):
 
 
 def _cap_tokens(body):
-    """Keeps accepted fuzz requests cheap: generation lengths bounded, no streams left open."""
+    """Keeps accepted fuzz requests cheap: generation lengths bounded, n small (a large n past the per-request cap
+    stays: a quick 400), no streams left open."""
     if isinstance(body, dict):
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(key), int) and body[key] > 8:
@@ -262,13 +275,48 @@ def _cap_tokens(body):
         if body.get("max_tokens", 0) is None or ("messages" in body or "prompt" in body) and "max_tokens" not in body:
             body["max_tokens"] = 4
         sp = body.get("sampling_params")
-        if isinstance(sp, dict) and (not isinstance(sp.get("max_new_tokens"), int) or sp["max_new_tokens"] > 8):
-            sp["max_new_tokens"] = 4
-        elif "text" in body or "input_ids" in body:
-            if not isinstance(sp, (dict, list)):
-                body["sampling_params"] = {"max_new_tokens": 4}
+        for one in sp if isinstance(sp, list) else [sp]:
+            if isinstance(one, dict):
+                if not isinstance(one.get("max_new_tokens"), int) or one["max_new_tokens"] > 8:
+                    one["max_new_tokens"] = 4
+                if isinstance(one.get("n"), int) and 4 < one["n"] <= MAX_PROMPTS_PER_REQUEST:
+                    one["n"] = 4
+        if ("text" in body or "input_ids" in body) and not isinstance(sp, (dict, list)):
+            body["sampling_params"] = {"max_new_tokens": 4}
         body.pop("n", None) if isinstance(body.get("n"), int) and body["n"] > 4 else None
     return body
+
+
+def _generate_bodies():
+    """/generate bodies with typed sampling params: the OpenAPI schema leaves ``sampling_params`` a free-form object,
+    so the schema-driven draws almost never name a real parameter. Edge values (tiny penalties, -inf biases, stop
+    ids under min_new_tokens, grammars, n, seeds) in every combination, as the crash requests of issue 21 had."""
+    edge = st.sampled_from([0, 1, -1, 0.5, 1e-300, 5e-324, 1e-2, 2, 100, 1e308, -1e308, float("inf"), float("-inf")])
+    num = edge | st.floats(-3, 3, allow_nan=False)
+    big = st.sampled_from([10**6, 2**63, 2**64, -(2**63) - 1, 10**30])
+    tid = st.integers(-1, 520)  # the tiny model's vocabulary is 512
+    params = {
+        "max_new_tokens": st.integers(-1, 8), "min_new_tokens": st.integers(-1, 8), "temperature": num, "top_p": num,
+        "top_k": st.integers(-2, 600) | big, "min_p": num, "frequency_penalty": num, "presence_penalty": num,
+        "repetition_penalty": num, "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3),
+        "stop_token_ids": st.lists(tid, max_size=4), "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(),
+        "spaces_between_special_tokens": st.booleans(), "no_stop_trim": st.booleans(), "seed": st.integers(-3, 3) | big,
+        "sampling_seed": st.integers(0, 3), "n": st.integers(-1, 4) | big | st.floats(0, 3, allow_nan=False),
+        "regex": st.sampled_from(["x", "[0-9]+", "a|b", "(ab)*c?", "", "\\d{2}"]),
+        "json_schema": st.sampled_from([{}, {"type": "integer"}, '{"type": "string", "maxLength": 3}', "{}"]),
+        "ebnf": st.sampled_from(['root ::= "a"', "root ::= [0-9]+"]),
+        "logit_bias": st.dictionaries(tid.map(str), num, max_size=3),
+    }
+    sp = st.fixed_dictionaries({}, optional=params)
+    prompt = st.sampled_from(["Hi", "x", "12", "{", ""])
+    inputs = (st.fixed_dictionaries({"text": prompt | st.lists(prompt, min_size=1, max_size=3)})
+              | st.fixed_dictionaries({"input_ids": st.lists(tid, min_size=1, max_size=4)
+                                       | st.lists(st.lists(tid, min_size=1, max_size=3), max_size=3)}))
+    rest = st.fixed_dictionaries(
+        {"sampling_params": sp | st.lists(sp, min_size=1, max_size=3)},
+        optional={"return_logprob": st.booleans(), "top_logprobs_num": st.integers(-1, 3), "logprob_start_len": st.integers(-2, 3),
+                  "stream": st.booleans(), "rid": st.sampled_from(["r", "r-0"])})
+    return st.tuples(inputs, rest).map(lambda parts: {**parts[0], **parts[1]})
 
 
 @pytest.fixture(scope="module")
@@ -281,26 +329,49 @@ def test_openapi_schema_documents_request_bodies(fuzz_routes):
     assert {"/generate", "/v1/chat/completions", "/v1/completions", "/tokenize", "/abort_request"} <= paths
 
 
-FUZZ_EXAMPLES = 150
+# >= 1,000 requests from a fixed seed (derandomize): FUZZ_EXAMPLES hypothesis examples of FUZZ_BATCH bodies each,
+# every batch sent concurrently (the server batches the accepted ones; drawing the bodies costs about as much).
+FUZZ_EXAMPLES = 130
+FUZZ_BATCH = 8
+FUZZ_MIN_REQUESTS = 1000
+FUZZ_REQUEST_TIMEOUT_S = 30  # an answer later than this is a hang
 
 
 def test_openapi_fuzz(rel_server, fuzz_routes):
     from hypothesis_jsonschema import from_schema
 
     strategies = [st.tuples(st.just(path), from_schema(schema)) for path, schema in fuzz_routes]
+    strategies.append(st.tuples(st.just("/generate"), _generate_bodies()))
     seen: dict[int, int] = {}
+    client = httpx.Client(base_url=rel_server.url, headers={**rel_server.headers, **JSON_CT}, timeout=FUZZ_REQUEST_TIMEOUT_S,
+                          limits=httpx.Limits(max_connections=FUZZ_BATCH, max_keepalive_connections=FUZZ_BATCH))
+
+    def post(path: str, content: bytes) -> httpx.Response:
+        try:
+            return client.post(path, content=content)
+        except httpx.TimeoutException:
+            raise AssertionError(f"fuzz {path} {content[:300]!r}: no answer in {FUZZ_REQUEST_TIMEOUT_S} s "
+                                 f"(alive: {rel_server.is_alive()})") from None
 
     @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def run(data):
-        path, body = data.draw(st.one_of(strategies))
-        body = _cap_tokens(_mutate(data.draw, body))
-        r = send(rel_server, "POST", path, json.dumps(body).encode(), JSON_CT, timeout=60)
-        seen[r.status_code] = seen.get(r.status_code, 0) + 1
-        check_answer(r, f"fuzz {path} {json.dumps(body)[:300]}")
-        assert rel_server.is_alive()
+        batch = []
+        for _ in range(FUZZ_BATCH):
+            path, body = data.draw(st.one_of(strategies))
+            batch.append((path, json.dumps(_cap_tokens(_mutate(data.draw, body))).encode()))
+        answers = list(pool.map(lambda item: post(*item), batch))
+        for r in answers:
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        for (path, content), r in zip(batch, answers):
+            check_answer(r, f"fuzz {path} {content[:300]!r}")
+        assert rel_server.is_alive(), (f"a fuzz batch killed the server: {[(p, c[:200]) for p, c in batch]}\n"
+                                       f"{rel_server.log_tail()}")
 
-    run()
-    print(f"\nopenapi fuzz: {sum(seen.values())} requests, statuses {dict(sorted(seen.items()))}")
-    assert sum(seen.values()) >= FUZZ_EXAMPLES
+    start = time.monotonic()
+    with client, ThreadPoolExecutor(FUZZ_BATCH) as pool:
+        run()
+    sent = sum(seen.values())
+    print(f"\nopenapi fuzz: {sent} requests in {time.monotonic() - start:.1f} s, statuses {dict(sorted(seen.items()))}")
+    assert sent >= FUZZ_MIN_REQUESTS

@@ -184,3 +184,20 @@ def test_engine_leaves_logging_to_the_application(tiny_gqa_dir):
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
         package.setLevel(saved[2])
+
+
+def test_parallel_sampling_n(tiny_engine):
+    greedy = tiny_engine.generate("Hello", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    outs = tiny_engine.generate("Hello", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 3})
+    assert isinstance(outs, list) and [o["text"] for o in outs] == [greedy["text"]] * 3
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    seeded = tiny_engine.generate(["Hi", "Bye"], {**sp, "n": 2})
+    assert len(seeded) == 4  # grouped per prompt: Hi#0, Hi#1, Bye#0, Bye#1
+    assert seeded[0]["text"] == tiny_engine.generate("Hi", sp)["text"]  # sample 0 is the n=1 sample
+    assert seeded[1]["text"] == tiny_engine.generate("Hi", {**sp, "seed": 12})["text"]  # sample i: seed + i
+    assert seeded[2]["text"] == tiny_engine.generate("Bye", sp)["text"]
+    for bad, match in (({"n": 0}, ">= 1"), ({"n": 1.5}, "integer")):
+        with pytest.raises(ValueError, match=match):
+            tiny_engine.generate("Hi", {"max_new_tokens": 2, **bad})
+    with pytest.raises(ValueError, match="single sample"):
+        tiny_engine.generate("Hi", {"max_new_tokens": 2, "n": 2}, stream=True)

@@ -160,7 +160,7 @@ class GuardedH11Protocol(H11Protocol):
     def _headers_timed_out(self) -> None:
         self._phase = None
         client = "%s:%d" % self.client if self.client else "?"
-        if self.conn.trailing_data[0] and self.conn.our_state is h11.IDLE:  # part of a request came: say why
+        if self.conn.trailing_data[0].strip() and self.conn.our_state is h11.IDLE:  # part of a request came: say why
             logger.debug("%s: request headers not complete within %s: 408", client, _fmt(self.header_read_timeout))
             self._write_408(f"the request headers did not arrive within {_fmt(self.header_read_timeout)}")
         self._close()

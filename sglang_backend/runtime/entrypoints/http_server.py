@@ -37,6 +37,7 @@ from ..managers import chat_templates
 from ..managers.detokenizer_manager import format_logprob_pairs
 from ..managers.tokenizer_manager import GenerateInput, Overloaded, RequestFailed, ServerUnavailable, TokenizerManager
 from ..managers.validation import MAX_PROMPTS_PER_REQUEST, check_text
+from ..sampling_params import parallel_samples
 from .metrics import ServerMetrics
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from .preparation import PreparationAborted, PreparationPool, default_workers
@@ -301,37 +302,21 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         images = [obj.image_data] if not is_batch else per(obj.image_data, "image_data")
 
         # sampling_params.n (upstream's parallel sampling): n samples of each prompt, grouped per prompt, all of them
-        # counted against the per-request cap. With a seed, sample i uses seed + i (as n does on the OpenAI routes).
-        def samples_of(sp) -> int:
-            v = sp.get("n") if isinstance(sp, dict) else None
-            if v is None:
-                return 1
-            if isinstance(v, bool) or not (isinstance(v, int) or isinstance(v, float) and v.is_integer()):
-                raise APIError(f"sampling_params.n must be an integer >= 1, got {v!r}", param="n")
-            if v < 1:
-                raise APIError(f"sampling_params.n must be >= 1, got {int(v)}", param="n")
-            return int(v)
-
-        def copies(sp: dict) -> list[dict]:
-            base = {k: v for k, v in sp.items() if k != "n"}
-            key = next((k for k in ("seed", "sampling_seed") if base.get(k) is not None), None)
-            seed = base.get(key) if key else None
-            seed = int(seed) if isinstance(seed, float) and seed.is_integer() else seed
-            if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
-                return [dict(base) for _ in range(n_samples)]  # unseeded (or a bad seed, which prepare refuses)
-            return [{**base, key: seed if i == 0 else (seed + i) % 2**64} for i in range(n_samples)]
-
-        counts = {samples_of(sp) for sp in sps}
-        if len(counts) > 1:
+        # counted against the per-request cap.
+        try:
+            samples = [parallel_samples(sp) if isinstance(sp, dict) else [sp] for sp in sps]
+        except ValueError as e:
+            raise APIError(str(e), param="n")
+        n_samples = len(samples[0])
+        if any(len(s) != n_samples for s in samples):
             raise APIError("sampling_params.n must be the same for every prompt of a batch", param="n")
-        n_samples = counts.pop()
         if n * n_samples > MAX_PROMPTS_PER_REQUEST:
             raise APIError(f"sampling_params.n = {n_samples} for {n} prompt(s) asks for {n * n_samples} samples; one request "
                            f"may carry at most {MAX_PROMPTS_PER_REQUEST} (prompts x n)", param="n")
+        sps = [c for s in samples for c in s]
         if n_samples > 1:
             items, lps, starts, tops, images = ([v for v in vals for _ in range(n_samples)]
                                                 for vals in (items, lps, starts, tops, images))
-            sps = [c for sp in sps for c in copies(sp)]
             rids = [None if rid is None else f"{rid}-{i}" for rid in rids for i in range(n_samples)]  # still unique
         kwargs = []
         for item, sp, lp, st, top, rid, im in zip(items, sps, lps, starts, tops, rids, images):
@@ -395,12 +380,6 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             if value is not None:
                 sp[name] = value if isinstance(value, str) else json.dumps(value)
         return sp
-
-    def seeds_for(sp: dict, n: int) -> list[dict]:
-        if n == 1:
-            return [sp]
-        # n samples of one prompt: distinct seeds (if seeded) so the samples differ but stay reproducible.
-        return [{**sp, "seed": (sp["seed"] + i) % 2**64} if "seed" in sp else dict(sp) for i in range(n)]
 
     def usage(outs: list[dict], prompt_outs: list[dict] | None = None) -> dict:
         prompt_outs = prompt_outs or outs[:1]
@@ -508,7 +487,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         src = dict(text=prompt, image_data=images or None, add_special_tokens=False)
         gis = await prepare_all(request, [dict(**src, sampling_params=s, stream=req.stream, return_logprob=req.logprobs,
                                                top_logprobs_num=top, rid=(f"{req.rid}-{i}" if req.rid and req.n > 1 else req.rid))
-                                          for i, s in enumerate(seeds_for(sp, req.n))])
+                                          for i, s in enumerate(parallel_samples({**sp, "n": req.n}))])
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         name = req.model or model_name
@@ -567,7 +546,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         kwargs = []
         many = len(prompts) * req.n > 1
         for p in prompts:
-            for s in seeds_for(sp, req.n):
+            for s in parallel_samples({**sp, "n": req.n}):
                 text, ids = (p, None) if isinstance(p, str) else (None, p)
                 rid = f"{req.rid}-{len(kwargs)}" if req.rid and many else req.rid
                 kwargs.append(dict(text=text, input_ids=ids, sampling_params=s, stream=req.stream,
@@ -877,10 +856,11 @@ def launch_server(server_args) -> None:
     Ctrl-C (SIGINT, which a terminal sends to the whole process group; the pipeline processes ignore it) or
     SIGTERM, at any time, start-up included: one line on stderr ("sglang-backend: shutting down (Ctrl-C)"), the
     requests in flight end with a 503 (after Ctrl-C at once; after SIGTERM once they had up to
-    ``--graceful-shutdown-timeout`` seconds to finish), the pipeline processes are stopped, and the process
-    exits with 130 after Ctrl-C, 0 after SIGTERM, 1 if a pipeline process died. A second Ctrl-C stops waiting for
-    open connections. With ``SGLANG_BACKEND_DIE_WITH_PARENT=1`` in the environment this process also dies
-    with its parent, even a SIGKILLed one (``utils.die_with_parent_if_requested``).
+    ``--graceful-shutdown-timeout`` seconds to finish), new connections are refused and a request sent meanwhile on
+    a connection kept alive gets 503 + Retry-After without being run (``connection_guard``), the pipeline
+    processes are stopped, and the process exits with 130 after Ctrl-C, 0 after SIGTERM, 1 if a pipeline process
+    died. A second Ctrl-C stops waiting for open connections. With ``SGLANG_BACKEND_DIE_WITH_PARENT=1`` in the
+    environment this process also dies with its parent, even a SIGKILLed one (``utils.die_with_parent_if_requested``).
     """
     import uvicorn
 
