@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -112,16 +113,21 @@ def release_freed_memory() -> None:
     """Hands freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere). Python frees a failed
     large computation's objects, but glibc keeps the pages: without this a grammar that hit its budget left
     its peak resident memory behind."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
     if not sys.platform.startswith("linux"):
-        return
+        return None
     import ctypes
-    import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        return ctypes.CDLL(None).malloc_trim  # the process's own symbols include libc's
     except (OSError, AttributeError):  # musl has no malloc_trim
-        pass
+        return None
 
 
 class TimeLimitExceeded(Exception):

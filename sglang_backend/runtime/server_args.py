@@ -60,6 +60,7 @@ class ServerArgs:
     max_queued_requests: int = field(default=1024, metadata={"help": "Requests waiting beyond the running ones; past it new requests get 503 + Retry-After"})
     graceful_shutdown_timeout: float = field(default=8.0, metadata={"help": "After SIGTERM: seconds the requests in flight get to finish before they are ended with an error (Ctrl-C ends them at once)"})
     request_timeout: float | None = field(default=None, metadata={"help": "Seconds a request may take end to end before it is aborted (504); default: no limit"})
+    keep_alive_timeout: float = field(default=30.0, metadata={"help": "Seconds an idle kept-alive HTTP connection stays open"})
     max_request_body_bytes: int = field(default=8 << 20, metadata={"help": "Larger request bodies get 413"})
     prepare_workers: int | None = field(default=None, metadata={"help": "Threads that prepare requests (tokenizing, chat templates, images, grammar compilation); default: the CPU count, 2 to 8"})
     chat_template: str | None = field(default=None, metadata={"help": "Chat template (a Jinja file or the template text) replacing the model's own; requests cannot send templates"})
@@ -90,7 +91,7 @@ class ServerArgs:
             raise ValueError("graceful_shutdown_timeout must be >= 0")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
-        for name in ("header_read_timeout", "body_read_timeout", "body_idle_timeout"):
+        for name in ("header_read_timeout", "body_read_timeout", "body_idle_timeout", "keep_alive_timeout"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be > 0")
         if self.grammar_compile_timeout <= 0 or self.chat_template_timeout <= 0:

@@ -76,3 +76,33 @@ def test_compile_and_template_time_limits_leave_other_requests_served(rel, tmp_p
     finally:
         orphans = server.stop()
     assert not orphans
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (from /proc)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_client_that_leaves_stops_its_grammar_compilation(rel_server):
+    """Without cancellation the compilation would go on burning a core for seconds after the client left."""
+    # 32,768 DFA states (a subset construction): about 1.6 s of compiling on an idle core; a fresh prefix each run.
+    regex = uuid.uuid4().hex[:6] + "[ab]*a[ab]{14}"
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4, "regex": regex}}
+    t0 = time.perf_counter()
+    try:
+        r = httpx.post(rel_server.url + "/generate", json=body, headers=rel_server.headers, timeout=0.3)
+    except httpx.TimeoutException:
+        pass
+    else:
+        raise AssertionError(f"answered within 0.3 s, the test needs a slower grammar: {r.status_code} {r.text[:200]}")
+    time.sleep(0.7)  # the server notices the disconnect within 0.5 s; the compilation stops at its next check
+    before, t1 = process_cpu_s(rel_server.proc.pid), time.perf_counter()
+    time.sleep(1.0)
+    busy = (process_cpu_s(rel_server.proc.pid) - before) / (time.perf_counter() - t1)
+    assert busy < 0.3, f"the server process still used {busy:.0%} of a core {t1 - t0:.1f} s after the client left"
+    r, _ = chat(rel_server)
+    assert r.status_code == 200

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -72,6 +73,7 @@ __all__ = [
     "apply_jump_forward",
 ]
 
+LONG_COMPILE_S = 0.5  # compiles longer than this return their freed memory to the OS (malloc_trim)
 _KINDS = {"regex": "regex", "json_schema": "json_schema", "json": "json_schema", "ebnf": "ebnf", "lark": "ebnf"}
 
 
@@ -398,6 +400,7 @@ class GrammarCache:
             if isinstance(hit, ValueError):
                 raise ValueError(str(hit))
             return hit  # type: ignore[return-value]
+        started = time.monotonic()
         try:
             with grammar_budget.active(self.budget(cancel)):
                 if key[0] == "ebnf":
@@ -412,7 +415,8 @@ class GrammarCache:
                     self._trim()
             raise
         finally:
-            release_freed_memory()
+            if time.monotonic() - started > LONG_COMPILE_S:  # big temporary structures: give their pages back
+                release_freed_memory()
         if key[0] != "ebnf":
             compiled = CompiledGrammar(key[0], key[1], regex, dfa, index, self.vocab, self.eos_token_ids)
         with self._lock:

@@ -527,6 +527,7 @@ def _trim(rows: np.ndarray, accepting: np.ndarray, initial: int) -> tuple[np.nda
     live = accepting.copy()
     stack = list(np.nonzero(accepting)[0])
     while stack:
+        grammar_budget.check("DFA trimming")
         s = stack.pop()
         preds = rsrc[rptr[s]:rptr[s + 1]]
         new = preds[~live[preds]]
@@ -544,6 +545,7 @@ def _trim(rows: np.ndarray, accepting: np.ndarray, initial: int) -> tuple[np.nda
     order_list = [initial]
     q = deque([initial])
     while q:
+        grammar_budget.check("DFA trimming")
         s = q.popleft()
         for t in np.unique(rows[s][rows[s] >= 0]).tolist():
             if new_id[t] < 0:

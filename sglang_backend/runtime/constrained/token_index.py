@@ -431,6 +431,7 @@ def _single_byte_live(dfa: ByteDFA, vocab: TokenVocabulary) -> np.ndarray:
     live = dfa.accepting.copy()
     stack = np.nonzero(live)[0].tolist()
     while stack:
+        grammar_budget.check("token index")
         q = stack.pop()
         preds = rsrc[ptr[q]:ptr[q + 1]]
         new = np.unique(preds[~live[preds]])

@@ -5,10 +5,12 @@ Every error a client can cause is a 4xx with an OpenAI-style body {"error": {"me
 
 Hostile-input and overload defences (README "Reliability and security"): request bodies are capped
 (``--max-request-body-bytes``, 413) and parsed JSON is checked for depth and invalid Unicode before any model
-sees it; tokenizing, chat templating and grammar compilation run on a worker thread so one heavy request
-never stalls the event loop; past ``max_running_requests + max_queued_requests`` requests in flight new ones
-get 503 + Retry-After; ``--request-timeout`` aborts slow requests (504). Request ids are scoped to the
-credential that sent them (the Authorization header), so one client cannot abort another's request.
+sees it; slow clients are closed at the header and body read timeouts (``connection_guard``); tokenizing, chat
+templates, images and grammar compilation run on a bounded pool of threads, each job within its budget
+(``preparation``), so one heavy request never stalls the event loop or the others; past
+``max_running_requests + max_queued_requests`` requests in flight new ones get 503 + Retry-After;
+``--request-timeout`` aborts slow requests (504). Request ids are scoped to the credential that sent them (the
+Authorization header), so one client cannot abort another's request.
 """
 
 from __future__ import annotations
@@ -886,7 +888,8 @@ def launch_server(server_args) -> None:
         protocol = guarded_h11_protocol(server_args.header_read_timeout, server_args.body_read_timeout,
                                         server_args.body_idle_timeout)
         server = Server(uvicorn.Config(app, host=server_args.host, port=server_args.port, http=protocol,
-                                       log_level=server_args.log_level, timeout_keep_alive=30,
+                                       log_level=server_args.log_level,
+                                       timeout_keep_alive=server_args.keep_alive_timeout,
                                        timeout_graceful_shutdown=server_args.graceful_shutdown_timeout + 2))
         stop.server = server
         if stop.received:  # a signal between the end of start-up and here
@@ -896,8 +899,7 @@ def launch_server(server_args) -> None:
             async def exit_when_pipeline_dies():
                 # The tokenizer manager has already failed every pending request; give the replies a moment to
                 # reach their clients, then stop serving so a supervisor sees a non-zero exit and restarts us.
-                while tm.dead_reason is None:
-                    await asyncio.sleep(0.05)
+                await tm.died.wait()
                 await asyncio.sleep(PIPELINE_DEATH_GRACE_S)
                 server.should_exit = True
 

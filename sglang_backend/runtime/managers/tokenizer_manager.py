@@ -99,6 +99,7 @@ class TokenizerManager:
         self.control_waiters: dict[str, asyncio.Future] = {}
         self.procs: list[mp.Process] = []
         self.dead_reason: str | None = None
+        self.died = asyncio.Event()  # set with dead_reason (an Event binds to the loop that first waits on it)
         self.info: dict = {}
         self.metrics = None  # set by the HTTP server
         self.tokenizer_lock = threading.Lock()
@@ -211,6 +212,7 @@ class TokenizerManager:
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
+        self.died.set()
         logger.error("pipeline failure: %s", reason)
         for state in self.rid_to_state.values():
             state.queue.put_nowait(ServerUnavailable(reason))

@@ -31,7 +31,8 @@ def _decode_bytes(data: bytes, what: str, unreadable: ValueError | None = None):
     except Exception as e:  # noqa: BLE001 - PIL raises many types for bad files; all mean "unreadable"
         if unreadable is not None:
             raise unreadable from None
-        raise ValueError(f"{what}: cannot decode the image ({type(e).__name__}: {e})") from None
+        detail = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(e))  # a memory address helps no one
+        raise ValueError(f"{what}: cannot decode the image ({type(e).__name__}: {detail})") from None
     return img.convert("RGB")
 
 
