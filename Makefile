@@ -37,8 +37,9 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(VENV)/bin/sglang-backend demo
 
+# -rs lists every skipped test with its reason
 test: install-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -rs tests
 
 bench: install-test
 	$(PY) -m benchmarks.bench_engine_vs_hf

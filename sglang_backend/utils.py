@@ -11,10 +11,12 @@ import sys
 import threading
 from typing import AsyncIterator, Callable, Iterator, TypeVar
 
+from . import environ
+
 T = TypeVar("T")
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-DIE_WITH_PARENT_ENV = "SGLANG_BACKEND_DIE_WITH_PARENT"
+DIE_WITH_PARENT_ENV = environ.DIE_WITH_PARENT.name
 
 
 async def iterate_in_thread(it: Iterator[T]) -> AsyncIterator[T]:
@@ -84,7 +86,7 @@ def die_with_parent_if_requested() -> None:
     parent supervises it (a test fixture), so that it cannot outlive the parent even when that is SIGKILLed.
     Ctrl-C keeps working as usual (SIGINT is not ignored). The parent must start it from a thread that lives
     as long as it should run (a pytest fixture: the main thread); see ``die_with_parent``."""
-    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
+    if environ.DIE_WITH_PARENT.get():
         die_with_parent(os.getppid(), ignore_sigint=False)
 
 

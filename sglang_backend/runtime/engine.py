@@ -18,15 +18,16 @@ from typing import Any, Iterator
 from ..utils import iterate_in_thread
 from .managers.detokenizer_manager import DetokenizerState, format_logprob_pairs
 from .managers.schedule_batch import Req
-from .managers.scheduler import Scheduler
+from .managers.scheduler import PoolNotWholeError, Scheduler
 from .managers.validation import (
+    MAX_PROMPTS_PER_REQUEST,
     check_grammar,
     check_input_ids,
     check_logprob_args,
     check_total_length,
     parse_sampling_params,
 )
-from .sampling_params import parallel_samples
+from .sampling_params import parallel_samples, sample_count
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -195,11 +196,14 @@ class Engine:
         rids = per_item(rid, "rid") if rid is not None else [None] * n
         images = per_item(image_data, "image_data") if is_batch else [image_data]
         # sampling_params n (parallel sampling): n samples of each prompt, grouped per prompt; the result is a list.
-        samples = [parallel_samples(p) if p is None or isinstance(p, dict) else [p] for p in params]
-        n_samples = len(samples[0]) if samples else 1
-        if any(len(s) != n_samples for s in samples):
+        counts = {sample_count(p) if p is None or isinstance(p, dict) else 1 for p in params} or {1}
+        if len(counts) > 1:
             raise ValueError("sampling_params n must be the same for every prompt of a batch")
-        params = [c for s in samples for c in s]
+        n_samples = counts.pop()
+        if n * n_samples > MAX_PROMPTS_PER_REQUEST:  # checked before a single copy is made
+            raise ValueError(f"sampling_params n = {n_samples} for {n} prompt(s) asks for {n * n_samples} samples; "
+                             f"at most {MAX_PROMPTS_PER_REQUEST} (prompts x n) per call")
+        params = [c for p in params for c in (parallel_samples(p) if p is None or isinstance(p, dict) else [p])]
         if n_samples > 1:
             if stream:
                 raise ValueError("stream=True takes a single sample (n=1)")
@@ -341,9 +345,7 @@ class Engine:
             payload.put(sched.get_stats())
         elif kind == "check":
             try:
-                if sched.has_work():
-                    raise AssertionError("engine is not idle")
                 sched.check_pool_whole()
                 payload.put(None)
-            except AssertionError as e:
+            except PoolNotWholeError as e:
                 payload.put(e)

@@ -243,16 +243,23 @@ def _coerce(name: str, v: Any) -> Any:
     raise AssertionError(f"no coercion rule for field {name}")  # pragma: no cover
 
 
-def parallel_samples(params: dict | None) -> list[dict]:
-    """Parallel sampling (upstream's ``n``): the sampling params of each of a prompt's ``n`` samples, without ``n``.
-    With a seed, sample i uses seed + i (mod 2**64): the samples differ, stay reproducible, and sample 0 is what
-    ``n=1`` gives; unseeded (or greedy) samples share the params. Raises ValueError for an ``n`` that is not an
-    integer >= 1 (an integral float such as 2.0 is one, as for the other integer parameters)."""
-    params = dict(params or {})
-    n = params.pop("n", None)
+def sample_count(params: dict | None) -> int:
+    """The ``n`` of a prompt's sampling params (parallel sampling; 1 when absent). Raises ValueError for an ``n``
+    that is not an integer >= 1 (an integral float such as 2.0 is one, as for the other integer parameters)."""
+    n = (params or {}).get("n")
     n = 1 if n is None else _coerce("n", n)
     if n < 1:
         raise ValueError(f"sampling parameter 'n' must be >= 1, got {n}")
+    return n
+
+
+def parallel_samples(params: dict | None) -> list[dict]:
+    """Parallel sampling (upstream's ``n``): the sampling params of each of a prompt's ``n`` samples, without ``n``.
+    With a seed, sample i uses seed + i (mod 2**64): the samples differ, stay reproducible, and sample 0 is what
+    ``n=1`` gives; unseeded (or greedy) samples share the params. Check ``sample_count`` against a bound first:
+    this builds all ``n`` dicts."""
+    n = sample_count(params)
+    params = {k: v for k, v in (params or {}).items() if k != "n"}
     key = next((k for k in ("seed", *_ALIASES) if params.get(k) is not None), None)
     seed = params.get(key) if key else None
     if isinstance(seed, float) and seed.is_integer():

@@ -77,11 +77,11 @@ def test_chat_is_deterministic_and_stop_is_honoured(oai):
     text = a.choices[0].message.content
     assert b.choices[0].message.content == text
     words = text.split()
-    if len(words) >= 2:  # stop at the second word: the text ends before it, finish_reason "stop"
-        stop = words[1]
-        c = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stop=[stop])
-        assert c.choices[0].finish_reason == "stop"
-        assert c.choices[0].message.content == text[: text.index(stop)]
+    assert len(words) >= 2, text
+    stop = words[1]  # stop at the second word: the text ends before it, finish_reason "stop"
+    c = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stop=[stop])
+    assert c.choices[0].finish_reason == "stop"
+    assert c.choices[0].message.content == text[: text.index(stop)]
 
 
 def test_chat_stream_reassembles_to_greedy_text(oai):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import time
+
+import pytest
 
 from benchmarks import bench_engine_vs_hf as bench
 from benchmarks.common import Timer, format_table, summarize, write_json
@@ -67,8 +70,10 @@ def test_compare_outputs_flags_eos_splits():
 
 def test_common_helpers(tmp_path):
     with Timer() as t:
-        sum(range(1000))
-    assert t.elapsed >= 0
+        time.sleep(0.02)
+    assert 0.02 <= t.elapsed < 1.0, t.elapsed
+    with pytest.raises(RuntimeError, match="before start"):
+        Timer().stop()
     s = summarize([3.0, 1.0, 2.0])
     assert s["median"] == 2.0 and s["min"] == 1.0 and s["max"] == 3.0 and s["n"] == 3
     path = write_json({"a": 1}, str(tmp_path / "x" / "y.json"))

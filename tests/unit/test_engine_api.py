@@ -196,7 +196,7 @@ def test_parallel_sampling_n(tiny_engine):
     assert seeded[0]["text"] == tiny_engine.generate("Hi", sp)["text"]  # sample 0 is the n=1 sample
     assert seeded[1]["text"] == tiny_engine.generate("Hi", {**sp, "seed": 12})["text"]  # sample i: seed + i
     assert seeded[2]["text"] == tiny_engine.generate("Bye", sp)["text"]
-    for bad, match in (({"n": 0}, ">= 1"), ({"n": 1.5}, "integer")):
+    for bad, match in (({"n": 0}, ">= 1"), ({"n": 1.5}, "integer"), ({"n": 10**12}, "prompts x n")):
         with pytest.raises(ValueError, match=match):
             tiny_engine.generate("Hi", {"max_new_tokens": 2, **bad})
     with pytest.raises(ValueError, match="single sample"):

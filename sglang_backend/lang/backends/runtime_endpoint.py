@@ -12,6 +12,7 @@ import time
 
 import requests
 
+from ... import environ
 from ..chat_template import get_chat_template, guess_chat_template
 from .base import NativeAPIBackend
 
@@ -122,7 +123,7 @@ class Runtime(RuntimeEndpoint):
                 continue
             flag = "--" + name.replace("_", "-")
             cmd += [flag] if value is True else [flag, str(value)]
-        self.process = subprocess.Popen(cmd, env=dict(os.environ))
+        self.process = subprocess.Popen(cmd, env=environ.child_env())
         self.url = f"http://{args.host}:{args.port}"
         deadline = time.monotonic() + startup_timeout
         while True:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import subprocess
 import sys
 import time
 
+from ... import environ
 from ...utils import pdeathsig_preexec
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def gpu_split(server_args, dp: int) -> list[dict]:
         return [{} for _ in range(dp)]
     import torch
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = environ.CUDA_VISIBLE_DEVICES.get()
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     per = server_args.tp_size
     if len(gpus) < dp * per:
@@ -115,7 +115,7 @@ def serve_dp(server_args, dp: int, policy: str = "cache_aware") -> int:
     # The router ignores Ctrl-C (it would print a KeyboardInterrupt traceback): the finally below stops it.
     die, die_no_sigint = pdeathsig_preexec(), pdeathsig_preexec(ignore_sigint=True)
     try:
-        workers = [subprocess.Popen(worker_argv(server_args, p), env={**os.environ, **extra}, preexec_fn=die)
+        workers = [subprocess.Popen(worker_argv(server_args, p), env=environ.child_env(**extra), preexec_fn=die)
                    for p, extra in zip(ports, gpu_split(server_args, dp))]
         procs += workers
         for url, proc in zip(urls, workers):

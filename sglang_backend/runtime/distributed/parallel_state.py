@@ -17,11 +17,12 @@ Two groups when tp_size > 1:
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ... import environ
 
 _RANK = 0
 _SIZE = 1
@@ -32,7 +33,7 @@ INIT_TIMEOUT = timedelta(minutes=10)  # joining the group (the other ranks impor
 
 
 def _device_group_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("SGLANG_BACKEND_TP_TIMEOUT_S", "600")))
+    return timedelta(seconds=environ.TP_TIMEOUT_S.get())
 # torch 2.13 renamed all_gather_into_tensor (older releases, as on the GPU machines, have only the old name).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -42,6 +42,7 @@ import time
 
 import torch
 
+from ... import environ
 from ...utils import die_with_parent
 from ..model_executor.forward_batch import ForwardBatch, ForwardMode
 from .parallel_state import broadcast_device, broadcast_object, destroy_tp, init_tp
@@ -227,7 +228,7 @@ class TPFollowers:
 
         size = server_args.tp_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        env = dict(os.environ)
+        env = environ.child_env()
         root = os.path.dirname(os.path.dirname(os.path.abspath(sglang_backend.__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")  # import this very copy of the package
         self.procs: list[subprocess.Popen] = []
@@ -330,7 +331,7 @@ def follower_main() -> None:
     runner = ModelRunner(server_args, config, model_dir, tp_rank=rank)
     steps = graphed = 0
     busy = 0.0  # host seconds from a step's arrival until its forward returns (on a GPU: is queued)
-    profile_path = os.environ.get("SGLANG_BACKEND_TP_PROFILE")  # cProfile of the step loop, written at exit
+    profile_path = environ.TP_PROFILE.get()  # cProfile of the step loop, written at exit
     profiler = None
     if profile_path:
         import cProfile
@@ -354,7 +355,7 @@ def follower_main() -> None:
                 pstats.Stats(profiler, stream=f).sort_stats(key).print_stats(30)
     msg = (f"tp rank {rank}: {steps} forwards ({graphed} by CUDA graph), "
            f"{1e6 * busy / max(steps, 1):.0f} us host time each after its header arrived")
-    if os.environ.get("SGLANG_BACKEND_TP_STATS") == "1":
+    if environ.TP_STATS.get():
         print(msg, file=sys.stderr, flush=True)
     logger.info(msg)
     release_graphs(runner)

@@ -39,7 +39,7 @@ from ..managers import chat_templates
 from ..managers.detokenizer_manager import format_logprob_pairs
 from ..managers.tokenizer_manager import GenerateInput, Overloaded, RequestFailed, ServerUnavailable, TokenizerManager
 from ..managers.validation import MAX_PROMPTS_PER_REQUEST, check_text
-from ..sampling_params import parallel_samples
+from ..sampling_params import parallel_samples, sample_count
 from .metrics import ServerMetrics
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from .preparation import PreparationAborted, PreparationPool, default_workers
@@ -306,16 +306,16 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         # sampling_params.n (upstream's parallel sampling): n samples of each prompt, grouped per prompt, all of them
         # counted against the per-request cap.
         try:
-            samples = [parallel_samples(sp) if isinstance(sp, dict) else [sp] for sp in sps]
+            counts = {sample_count(sp) if isinstance(sp, dict) else 1 for sp in sps}
         except ValueError as e:
             raise APIError(str(e), param="n")
-        n_samples = len(samples[0])
-        if any(len(s) != n_samples for s in samples):
+        if len(counts) > 1:
             raise APIError("sampling_params.n must be the same for every prompt of a batch", param="n")
-        if n * n_samples > MAX_PROMPTS_PER_REQUEST:
+        n_samples = counts.pop()
+        if n * n_samples > MAX_PROMPTS_PER_REQUEST:  # checked before a single copy is made
             raise APIError(f"sampling_params.n = {n_samples} for {n} prompt(s) asks for {n * n_samples} samples; one request "
                            f"may carry at most {MAX_PROMPTS_PER_REQUEST} (prompts x n)", param="n")
-        sps = [c for s in samples for c in s]
+        sps = [c for sp in sps for c in (parallel_samples(sp) if isinstance(sp, dict) else [sp])]
         if n_samples > 1:
             items, lps, starts, tops, images = ([v for v in vals for _ in range(n_samples)]
                                                 for vals in (items, lps, starts, tops, images))

@@ -11,12 +11,13 @@ that such a fault fails that one request while the rest of the batch finishes ex
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
 import torch
 
-ENV_VAR = "SGLANG_BACKEND_FAULT_INJECTION"
+from ... import environ
+
+ENV_VAR = environ.FAULT_INJECTION.name
 MODES = ("nan", "raise")
 
 
@@ -44,7 +45,7 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls) -> "FaultInjector | None":
-        spec = os.environ.get(ENV_VAR)
+        spec = environ.FAULT_INJECTION.get()
         if not spec:
             return None
         rules = json.loads(spec)

@@ -68,6 +68,8 @@ class SchedulerStats:
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     num_prefill_batches: int = 0
+    num_chunked_prefill_batches: int = 0  # prefill batches computing part of a prompt split by chunked prefill
+    max_prefill_batch_tokens: int = 0  # the most prompt tokens one prefill batch computed
     num_decode_batches: int = 0
     num_forward_tokens: int = 0
     num_retractions: int = 0
@@ -394,8 +396,10 @@ class Scheduler:
                              torch.cat(locs) if locs else torch.empty(0, dtype=torch.int64), logit_rows)
 
     def _run_extend(self, batch: ScheduleBatch) -> list[Req]:
-        batch, logits = self._forward_contained(batch)
         self.stats.num_prefill_batches += 1
+        self.stats.num_chunked_prefill_batches += any(r.is_chunked for r in batch.reqs)
+        self.stats.max_prefill_batch_tokens = max(self.stats.max_prefill_batch_tokens, sum(batch.extend_lens))
+        batch, logits = self._forward_contained(batch)
         outputs: list[Req] = []
         sample_reqs, sample_rows = [], []
         row = 0
@@ -737,7 +741,10 @@ class Scheduler:
         return True
 
     def check_pool_whole(self) -> None:
-        """Idle invariant: every KV slot is free or evictable in the tree; nothing locked; all rows free."""
+        """Idle invariant: every KV slot is free or evictable in the tree; nothing locked; all rows free. Raises
+        ``PoolNotWholeError`` naming what is wrong (also when the scheduler still has work: not idle)."""
+        if self.has_work():
+            raise PoolNotWholeError("the scheduler is not idle")
         free = self.allocator.available_size()
         evictable = self.tree_cache.evictable_size()
         problems = []
@@ -758,6 +765,8 @@ class Scheduler:
             "cache_hit_rate": s.cache_hit_rate,
             "num_generated_tokens": s.num_generated_tokens,
             "num_prefill_batches": s.num_prefill_batches,
+            "num_chunked_prefill_batches": s.num_chunked_prefill_batches,
+            "max_prefill_batch_tokens": s.max_prefill_batch_tokens,
             "num_decode_batches": s.num_decode_batches,
             "num_forward_tokens": s.num_forward_tokens,
             "num_retractions": s.num_retractions,
@@ -873,8 +882,6 @@ def run_scheduler_process(server_args, ipc: dict, ready_conn) -> None:
                 result = sched.get_stats()
             elif msg.kind == "check_pool":
                 try:
-                    if sched.has_work():
-                        raise PoolNotWholeError("scheduler is not idle")
                     sched.check_pool_whole()
                     result = None
                 except PoolNotWholeError as e:

@@ -22,6 +22,7 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from ... import environ
 from .chat_templates import read_chat_template
 from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, StrOut, TokenizedGenerateReq
 from .validation import (
@@ -138,7 +139,7 @@ class TokenizerManager:
         # regions of a CPU decode step, GNU OpenMP's default busy-wait kept a second core 100% busy for no
         # work, and with other processes on the cores that spinning made each step several times slower
         # (benchmarks/bench_server_vs_engine.py). Read by libgomp when the child imports torch, so set here.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        environ.set_default("OMP_WAIT_POLICY", "PASSIVE")
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         sched = ctx.Process(target=run_scheduler_process, args=(sa, ipc, child_conn), name="sglang-backend-scheduler", daemon=True)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from ... import environ
 from ..mem_cache.memory_pool import MHATokenToKVPool, MirroredReqToTokenPool, ReqToTokenPool, TokenToKVPoolAllocator
 from ..distributed.parallel_state import all_reduce_min, check_tp_config, kv_head_range, split_evenly
 from ..models.llama import head_dim_of
@@ -199,7 +199,7 @@ class ModelRunner:
         self.graph_runner = None
         if self.device == "cpu":
             return
-        if os.environ.get("SGLANG_BACKEND_DISABLE_FUSED_OPS", "0") != "1":
+        if not environ.DISABLE_FUSED_OPS.get():
             try:
                 from ..layers.attention.triton_ops.fused_llama import FusedLlamaExecutor
             except ImportError:  # no triton: plain torch modules

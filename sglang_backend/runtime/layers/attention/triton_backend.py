@@ -8,10 +8,10 @@ buffers allocated once, so a decode step can be captured in a CUDA graph (see cu
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from .... import environ
 from ...models.llama import head_dim_of
 from .base import AttentionBackend, device_table
 from .triton_ops.decode_attention import decode_attention_fwd, num_prefix_programs_per_split, shared_prefix_len
@@ -25,7 +25,7 @@ MAX_KV_SPLITS = 32
 TARGET_PROGRAMS_PER_SM = 3.875
 # Decode folds the merge of the splits into stage 1 (decode_attention.py: the last split to finish merges);
 # SGLANG_BACKEND_FUSED_MERGE=0 keeps the separate stage-2 kernel (the bench compares both).
-FUSED_MERGE = os.environ.get("SGLANG_BACKEND_FUSED_MERGE", "1") != "0"
+FUSED_MERGE = environ.FUSED_MERGE.get()
 # Cascade decode (a prefix shared by the whole batch read once per tile, not once per request) from this batch
 # size up; below it the extra launch per layer costs more than the shared reads save.
 CASCADE_MIN_BS = 8

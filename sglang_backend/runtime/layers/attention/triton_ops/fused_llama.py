@@ -28,10 +28,10 @@ vocabulary shards, as the model's own layers do.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from ..... import environ
 from ....distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_size
 from ...linear import RowParallelLinear
 from .fused_ops import fused_add_rmsnorm, rmsnorm, rope_and_store_kv, silu_and_mul
@@ -41,7 +41,7 @@ GEMV_MODES = ("off", "on", "fused", "fused_rope")
 
 
 def default_gemv_mode(device) -> str:
-    mode = os.environ.get("SGLANG_BACKEND_GEMV")
+    mode = environ.GEMV.get()
     if mode is not None:
         mode = {"0": "off", "1": "on"}.get(mode, mode)
         if mode not in GEMV_MODES:

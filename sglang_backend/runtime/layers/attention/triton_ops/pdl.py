@@ -19,11 +19,12 @@ off; never under the Triton interpreter or on older GPUs, where the instructions
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ..... import environ
 
 _override: bool | None = None
 
@@ -44,7 +45,7 @@ def _triton_has_pdl() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _supported(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+    if environ.TRITON_INTERPRET.get() or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9 and _triton_has_pdl()
 
@@ -55,7 +56,7 @@ def enabled(t: torch.Tensor) -> bool:
         return False
     if _override is not None:
         return _override
-    return os.environ.get("SGLANG_BACKEND_PDL", "1") != "0"
+    return environ.PDL.get()
 
 
 def launch_args(t: torch.Tensor) -> dict:
