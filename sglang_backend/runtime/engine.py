@@ -27,20 +27,11 @@ from .managers.validation import (
     check_total_length,
     parse_sampling_params,
 )
+from .model_loader.loader import load_model_assets
 from .sampling_params import parallel_samples, sample_count
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-def load_model_assets(server_args: ServerArgs):
-    """(model_dir, config, tokenizer) for the server args; raises ValueError for unknown models."""
-    from .model_loader.loader import load_config, load_tokenizer, resolve_model_path
-
-    model_dir = resolve_model_path(server_args.model_path)
-    config = load_config(model_dir)
-    tokenizer = load_tokenizer(server_args.tokenizer_path or model_dir)
-    return model_dir, config, tokenizer
 
 
 class _Handle:

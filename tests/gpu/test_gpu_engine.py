@@ -212,7 +212,7 @@ def test_overlap_schedule_matches_sync(peaked_model_dir):
 
 def _extend_logits(model_dir, dtype, fused: bool):
     """Logits of a 3-request prefill through ModelRunner (triton attention), fused layer kernels on or off."""
-    from sglang_backend.runtime.engine import load_model_assets
+    from sglang_backend.runtime.model_loader.loader import load_model_assets
     from sglang_backend.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
     from sglang_backend.runtime.model_executor.model_runner import ModelRunner
     from sglang_backend.runtime.server_args import ServerArgs

@@ -89,8 +89,8 @@ def process_cpu_s(pid: int) -> float:
 
 def test_a_client_that_leaves_stops_its_grammar_compilation(rel_server):
     """Without cancellation the compilation would go on burning a core for seconds after the client left."""
-    # 32,768 DFA states (a subset construction): about 1.6 s of compiling on an idle core; a fresh prefix each run.
-    regex = uuid.uuid4().hex[:6] + "[ab]*a[ab]{14}"
+    # 32,770 DFA states whose token index takes longer than the whole 5 s budget; a fresh prefix each run.
+    regex = uuid.uuid4().hex[:6] + "[ab]*a[ab]{14}c[ab]*"
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 4, "regex": regex}}
     t0 = time.perf_counter()
     try:
@@ -99,7 +99,7 @@ def test_a_client_that_leaves_stops_its_grammar_compilation(rel_server):
         pass
     else:
         raise AssertionError(f"answered within 0.3 s, the test needs a slower grammar: {r.status_code} {r.text[:200]}")
-    time.sleep(0.7)  # the server notices the disconnect within 0.5 s; the compilation stops at its next check
+    time.sleep(1.0)  # the server notices the disconnect within 0.5 s; the compilation stops at its next check
     before, t1 = process_cpu_s(rel_server.proc.pid), time.perf_counter()
     time.sleep(1.0)
     busy = (process_cpu_s(rel_server.proc.pid) - before) / (time.perf_counter() - t1)

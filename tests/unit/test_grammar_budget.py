@@ -10,7 +10,8 @@ import pytest
 
 from sglang_backend.runtime.constrained import GrammarCache, build_regex_from_schema
 from sglang_backend.runtime.constrained.budget import CompileCancelled, GrammarTimeout, GrammarTooComplex
-from sglang_backend.runtime.managers.chat_templates import TemplateTooSlow, read_chat_template, render_chat
+from sglang_backend.runtime.managers.chat_templates import TemplateTooSlow, render_chat
+from sglang_backend.runtime.model_loader.loader import read_chat_template
 from sglang_backend.utils import TimeLimitExceeded, time_limit
 
 

@@ -25,7 +25,7 @@ def rand_ids(rng: random.Random, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def assets(tiny_gqa_dir):
-    from sglang_backend.runtime.engine import load_model_assets
+    from sglang_backend.runtime.model_loader.loader import load_model_assets
     from sglang_backend.runtime.server_args import ServerArgs
 
     logging.getLogger("sglang_backend").setLevel(logging.WARNING)

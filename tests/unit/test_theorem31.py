@@ -79,7 +79,7 @@ def count_prefix_requests(prompts: list[list[int]]) -> int:
 @pytest.fixture(scope="module")
 def run_policy(tiny_gqa_dir):
     """run_policy(prompts, policy, pool) -> hit rate from get_stats(), on a fresh scheduler (pool checked)."""
-    from sglang_backend.runtime.engine import load_model_assets
+    from sglang_backend.runtime.model_loader.loader import load_model_assets
     from sglang_backend.runtime.managers.schedule_batch import Req
     from sglang_backend.runtime.managers.scheduler import Scheduler
     from sglang_backend.runtime.sampling_params import SamplingParams

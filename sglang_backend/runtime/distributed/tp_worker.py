@@ -314,7 +314,7 @@ def follower_main() -> None:
     # argv: rank 0's pid, and 1 if rank 0 started us from its main thread (see TPFollowers). SIGINT is ignored:
     # rank 0 stops the followers.
     die_with_parent(int(sys.argv[1]), pdeathsig=sys.argv[2] == "1")
-    from ..engine import load_model_assets
+    from ..model_loader.loader import load_model_assets
     from ..model_executor.model_runner import ModelRunner, resolve_device
 
     pipe = sys.stdin.buffer  # the start-up arguments, then one header per step

@@ -61,9 +61,6 @@ class PreparationPool:
                 cancel.set()  # a grammar compilation stops at its next budget check
                 future.cancel()  # a job still waiting for a worker never starts
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 class PreparationAborted(Exception):
     def __init__(self, message: str, status: int):

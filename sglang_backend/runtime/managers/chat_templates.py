@@ -1,7 +1,8 @@
 """Server-side chat templates: which template runs, and rendering it within a time limit.
 
-Only the model's own template, or one the operator gives at start-up (``--chat-template``), ever runs: a template
-is code, so requests set template variables (``chat_template_kwargs``) but never the template itself. transformers
+Only the model's own template, or one the operator gives at start-up (``--chat-template``, applied by
+``model_loader.loader.load_model_assets``), ever runs: a template is code, so requests set template variables
+(``chat_template_kwargs``) but never the template itself. transformers
 renders it in Jinja's ``ImmutableSandboxedEnvironment`` (no attribute writes, no unsafe calls, ``range`` capped at
 100,000 items); on top of that every render here has a time limit (``--chat-template-timeout``), because nested
 loops within those caps still run for hours.
@@ -9,19 +10,7 @@ loops within those caps still run for hours.
 
 from __future__ import annotations
 
-import os
-
 from ...utils import TimeLimitExceeded, time_limit
-
-
-def read_chat_template(value: str) -> str:
-    """``--chat-template``: a path to a Jinja file, or the template text itself."""
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 class TemplateTooSlow(ValueError):

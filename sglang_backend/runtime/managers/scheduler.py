@@ -796,7 +796,7 @@ def run_scheduler_process(server_args, ipc: dict, ready_conn) -> None:
 
     import zmq
 
-    from ..engine import load_model_assets
+    from ..model_loader.loader import load_model_assets
     from ..sampling_params import SamplingParams
     from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, SchedulerReady, TokenizedGenerateReq, TokenOut
 

@@ -23,7 +23,6 @@ import zmq
 import zmq.asyncio
 
 from ... import environ
-from .chat_templates import read_chat_template
 from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, StrOut, TokenizedGenerateReq
 from .validation import (
     ModelLimits,
@@ -119,20 +118,14 @@ class TokenizerManager:
             raise
 
     def _launch(self) -> None:
-        from ..model_loader.loader import load_tokenizer, resolve_model_path
+        from ..model_loader.loader import load_model_assets
+        from ..multimodal.processor import MultimodalProcessor
         from .detokenizer_manager import run_detokenizer_process
         from .scheduler import run_scheduler_process
 
         sa = self.server_args
-        model_dir = resolve_model_path(sa.model_path)  # fails fast (ValueError) on unknown models
-        self.tokenizer = load_tokenizer(sa.tokenizer_path or model_dir)
-        if sa.chat_template:
-            self.tokenizer.chat_template = read_chat_template(sa.chat_template)
-        from ..model_loader.loader import load_config
-        from ..multimodal.processor import MultimodalProcessor
-
-        self.mm_processor = MultimodalProcessor.for_model(load_config(model_dir), model_dir, self.tokenizer,
-                                                          sa.allow_local_media)
+        model_dir, config, self.tokenizer = load_model_assets(sa)  # fails fast (ValueError) on unknown models
+        self.mm_processor = MultimodalProcessor.for_model(config, model_dir, self.tokenizer, sa.allow_local_media)
         self.ipc_dir = tempfile.mkdtemp(prefix="sglang-backend-")
         ipc = {name: f"ipc://{self.ipc_dir}/{name}" for name in ("scheduler_input", "detokenizer_input", "tokenizer_input")}
         # Idle OpenMP threads of the scheduler's torch must sleep, not spin: between the many small parallel

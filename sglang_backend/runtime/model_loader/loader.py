@@ -399,3 +399,24 @@ def save_dummy_hf_model(config: "PretrainedConfig", out_dir: str, seed: int = 0)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id).save_pretrained(out_dir)
     return out_dir
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a path to a Jinja file, or the template text itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def load_model_assets(server_args) -> tuple[str, "PretrainedConfig", Any]:
+    """(model_dir, config, tokenizer) for the server args, with the chat template of ``--chat-template`` if given;
+    raises ValueError for unknown models."""
+    model_dir = resolve_model_path(server_args.model_path)
+    config = load_config(model_dir)
+    tokenizer = load_tokenizer(server_args.tokenizer_path or model_dir)
+    if server_args.chat_template:
+        tokenizer.chat_template = read_chat_template(server_args.chat_template)
+    return model_dir, config, tokenizer
