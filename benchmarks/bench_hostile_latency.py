@@ -35,8 +35,10 @@ NAME = "hostile_latency"
 HOSTILE_TEMPLATE = "{% for i in range(20000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}hi"
 
 
-def nested_schema(levels: int) -> dict:
-    tag = uuid.uuid4().hex[:8]  # fresh names: no cache of a previous verdict or index helps
+def nested_schema(levels: int, fresh: bool = True) -> dict:
+    """The issue's schema: each level an object with two required properties pointing at the next level. ``fresh``:
+    property names with a random tag, so no cache of a previous verdict or index helps."""
+    tag = uuid.uuid4().hex[:8] if fresh else ""
     defs = {}
     for i in range(levels):
         nxt = {"$ref": f"#/$defs/d{i + 1}"} if i + 1 < levels else {"type": "string"}

@@ -10,18 +10,7 @@ import uuid
 
 import httpx
 
-HOSTILE_TEMPLATE = "{% for i in range(20000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}hi"
-
-
-def nested_schema(levels: int) -> dict:
-    tag = uuid.uuid4().hex[:8]  # fresh property names: no cached verdict or index
-    defs = {}
-    for i in range(levels):
-        nxt = {"$ref": f"#/$defs/d{i + 1}"} if i + 1 < levels else {"type": "string"}
-        defs[f"d{i}"] = {"type": "object", "properties": {f"a{tag}": nxt, f"b{tag}": nxt},
-                         "required": [f"a{tag}", f"b{tag}"]}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
+from benchmarks.bench_hostile_latency import HOSTILE_TEMPLATE, nested_schema
 
 def chat(server, timeout=60, **extra) -> tuple[httpx.Response, float]:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, **extra}

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from benchmarks.bench_hostile_latency import HOSTILE_TEMPLATE, nested_schema
 from sglang_backend.runtime.constrained import GrammarCache, build_regex_from_schema
 from sglang_backend.runtime.constrained.budget import CompileCancelled, GrammarTimeout, GrammarTooComplex
 from sglang_backend.runtime.managers.chat_templates import TemplateTooSlow, render_chat
@@ -16,12 +17,7 @@ from sglang_backend.utils import TimeLimitExceeded, time_limit
 
 
 def nested_defs_schema(levels: int) -> dict:
-    """The issue's schema: each level an object with two required properties pointing at the next level."""
-    defs = {}
-    for i in range(levels):
-        nxt = {"$ref": f"#/$defs/d{i + 1}"} if i + 1 < levels else {"type": "string"}
-        defs[f"d{i}"] = {"type": "object", "properties": {"a": nxt, "b": nxt}, "required": ["a", "b"]}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
+    return nested_schema(levels, fresh=False)  # property names "a" and "b": the regex sizes below depend on them
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +118,6 @@ def test_time_limit_interrupts_python_code_and_leaves_nothing_pending():
         total = sum(range(1000))
     time.sleep(0.3)  # a limit that passed after the block must not fire later
     assert total == 499500
-
-
-HOSTILE_TEMPLATE = "{% for i in range(20000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}hi"
 
 
 def test_a_slow_chat_template_is_stopped_at_its_time_limit(smollm_dir):
