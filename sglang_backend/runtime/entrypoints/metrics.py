@@ -3,6 +3,8 @@ scheduler at scrape time."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -31,8 +33,6 @@ class ServerMetrics:
         self.ttft.observe(seconds)
 
     def observe_finished(self, state) -> None:
-        import time
-
         now = time.monotonic()
         meta = state.meta
         completion = int(meta.get("completion_tokens", 0))
@@ -47,8 +47,6 @@ class ServerMetrics:
         self.requests.labels(finish_reason=reason).inc()
 
     def render(self, stats: dict | None) -> bytes:
-        import time
-
         if stats:
             self.num_running.set(stats["num_running"])
             self.num_queued.set(stats["num_waiting"])

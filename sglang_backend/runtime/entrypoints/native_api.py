@@ -1,0 +1,160 @@
+"""SGLang's native /generate (single prompts, batches, parallel samples, streams)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+
+from ..managers.detokenizer_manager import format_logprob_pairs
+from ..managers.validation import MAX_PROMPTS_PER_REQUEST
+from ..sampling_params import parallel_samples, sample_count
+from .app_context import AppContext, get_context
+from .errors import APIError
+from .execution import output_streams, prepare_all, run_all
+from .openai_protocol import GenerateRequest
+from .request_parsing import check_count, check_model, json_body, read_model
+from .streaming import merge_streams, sse_event, sse_response
+
+# Fields sglang-router sends with their defaults; the features behind them are not implemented.
+UNSUPPORTED_FLAGS = ("background", "return_hidden_states", "return_bytes", "return_entropy")
+PER_PROMPT_FIELDS = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num")
+
+
+@dataclass
+class GeneratePlan:
+    """A /generate request taken apart: one entry of ``inputs`` per generation (prompt x sample)."""
+
+    inputs: list[dict]
+    is_batch: bool
+    n_samples: int
+
+    @property
+    def returns_list(self) -> bool:
+        return self.is_batch or self.n_samples > 1
+
+
+def check_supported(obj: GenerateRequest, ctx: AppContext) -> None:
+    for flag in UNSUPPORTED_FLAGS:
+        if getattr(obj, flag):
+            raise APIError(f"{flag} is not supported by this server", param=flag)
+    check_model(ctx, obj.model)
+    if (obj.text is None) == (obj.input_ids is None):
+        raise APIError("give exactly one of text or input_ids")
+
+
+def prompt_items(obj: GenerateRequest) -> tuple[bool, list]:
+    """(is_batch, the prompts): texts or token id lists."""
+    is_batch = isinstance(obj.text, list) or (obj.input_ids is not None and bool(obj.input_ids)
+                                              and isinstance(obj.input_ids[0], list))
+    source = obj.text if obj.text is not None else obj.input_ids
+    items = source if is_batch else [source]
+    if is_batch and not items:
+        raise APIError("empty batch")
+    check_count(len(items))
+    return is_batch, items
+
+
+def per_prompt(value, name: str, is_batch: bool, n: int) -> list:
+    """A field's value for each of ``n`` prompts: a list gives one per prompt (batches only), else one for all."""
+    if isinstance(value, list):
+        if not is_batch:
+            raise APIError(f"{name} is a list but the request has one prompt", param=name)
+        if len(value) != n:
+            raise APIError(f"{name} has {len(value)} entries for {n} prompts", param=name)
+        return value
+    return [value] * n
+
+
+def samples_per_prompt(sps: list, prompts: int) -> int:
+    """sampling_params.n (upstream's parallel sampling): the same for every prompt, all samples counted against
+    the per-request cap (checked before a single copy is made)."""
+    try:
+        counts = {sample_count(sp) if isinstance(sp, dict) else 1 for sp in sps}
+    except ValueError as e:
+        raise APIError(str(e), param="n")
+    if len(counts) > 1:
+        raise APIError("sampling_params.n must be the same for every prompt of a batch", param="n")
+    n_samples = counts.pop()
+    if prompts * n_samples > MAX_PROMPTS_PER_REQUEST:
+        raise APIError(f"sampling_params.n = {n_samples} for {prompts} prompt(s) asks for {prompts * n_samples} samples; "
+                       f"one request may carry at most {MAX_PROMPTS_PER_REQUEST} (prompts x n)", param="n")
+    return n_samples
+
+
+def per_prompt_columns(obj: GenerateRequest, is_batch: bool, n: int) -> dict[str, list]:
+    """Every per-prompt field as one list of ``n`` values (the checks in the order clients have always seen)."""
+    cols = {name: per_prompt(getattr(obj, name), name, is_batch, n) for name in PER_PROMPT_FIELDS}
+    cols["rid"] = per_prompt(obj.rid, "rid", is_batch, n) if obj.rid is not None else [None] * n
+    if obj.rid is not None and len(set(cols["rid"])) != len(cols["rid"]):
+        raise APIError("rid values must be unique within a batch", param="rid")
+    if obj.stream and is_batch:
+        raise APIError("stream=true takes a single prompt")
+    # image_data: one prompt takes an image or a list of them; a batch takes one such entry per prompt.
+    cols["image_data"] = [obj.image_data] if not is_batch else per_prompt(obj.image_data, "image_data", is_batch, n)
+    return cols
+
+
+def expand_samples(cols: dict[str, list], n_samples: int) -> dict[str, list]:
+    """Each prompt's columns repeated for its samples, grouped per prompt; each sample its own sampling params
+    (``parallel_samples``) and its own request id ``rid-i`` (still unique)."""
+    sps = [c for sp in cols["sampling_params"] for c in (parallel_samples(sp) if isinstance(sp, dict) else [sp])]
+    if n_samples == 1:
+        return {**cols, "sampling_params": sps}
+    out = {name: [v for v in vals for _ in range(n_samples)] for name, vals in cols.items()}
+    out["rid"] = [None if rid is None else f"{rid}-{i}" for rid in cols["rid"] for i in range(n_samples)]
+    out["sampling_params"] = sps
+    return out
+
+
+def generate_plan(obj: GenerateRequest, ctx: AppContext) -> GeneratePlan:
+    check_supported(obj, ctx)
+    is_batch, items = prompt_items(obj)
+    cols = per_prompt_columns(obj, is_batch, len(items))
+    n_samples = samples_per_prompt(cols["sampling_params"], len(items))
+    cols = expand_samples({"item": items, **cols}, n_samples)
+    inputs = []
+    for item, sp, lp, st, top, rid, im in zip(*(cols[k] for k in ("item", *PER_PROMPT_FIELDS, "rid", "image_data"))):
+        text, ids = (item, None) if isinstance(item, str) else (None, item)
+        inputs.append(dict(text=text, input_ids=ids, sampling_params=sp, rid=rid, stream=obj.stream,
+                           return_logprob=bool(lp), logprob_start_len=st, top_logprobs_num=top, image_data=im))
+    return GeneratePlan(inputs, is_batch, n_samples)
+
+
+def format_logprobs(out: dict, tokenizer, with_text: bool) -> dict:
+    """An output's logprobs as (logprob, token id[, text]) entries, in place."""
+    meta = out["meta_info"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        if key in meta:
+            meta[key] = format_logprob_pairs(meta[key], tokenizer, with_text)
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = [None if t is None else format_logprob_pairs(t, tokenizer, with_text) for t in meta[key]]
+    return out
+
+
+async def generate_events(ctx: AppContext, gis: list, with_text: bool):
+    tokenizer = ctx.tm.tokenizer
+    if len(gis) == 1:
+        async for out in ctx.tm.generate(gis[0]):
+            yield sse_event(format_logprobs(out, tokenizer, with_text))
+        return
+    # n > 1: the samples' chunks interleave; each carries its sample's "index" (as upstream's).
+    async for i, out in merge_streams(output_streams(ctx, gis)):
+        yield sse_event({**format_logprobs(out, tokenizer, with_text), "index": i})
+
+
+async def generate(request: Request):
+    ctx = get_context(request)
+    obj = await read_model(request, GenerateRequest)
+    plan = generate_plan(obj, ctx)
+    gis = await prepare_all(ctx, request, plan.inputs)
+    with_text = obj.return_text_in_logprobs
+    if obj.stream:
+        return sse_response(generate_events(ctx, gis, with_text))
+    outs = [format_logprobs(o, ctx.tm.tokenizer, with_text) for o in await run_all(ctx, request, gis)]
+    return outs if plan.returns_list else outs[0]
+
+
+def register(app: FastAPI) -> None:
+    app.post("/generate", openapi_extra=json_body(GenerateRequest))(generate)

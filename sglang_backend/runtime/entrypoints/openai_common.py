@@ -1,0 +1,120 @@
+"""What /v1/chat/completions and /v1/completions share: sampling parameters from OpenAI fields, usage, finish
+reasons, logprob accounting and the chunked SSE stream."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from starlette.requests import Request
+
+from .app_context import AppContext, get_context
+from .errors import APIError
+from .openai_protocol import MAX_STOP
+from .request_parsing import check_model, read_model
+from .streaming import merge_streams, sse_event
+
+# (our sampling parameter, the OpenAI request field it comes from)
+SAMPLING_FIELDS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+                   ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+                   ("repetition_penalty", "repetition_penalty"), ("min_new_tokens", "min_tokens"),
+                   ("stop_token_ids", "stop_token_ids"), ("seed", "seed"))
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+
+
+async def read_openai_request(request: Request, model_cls) -> tuple[AppContext, Any]:
+    """The app's context and the request's body as ``model_cls``, for this server's model."""
+    ctx = get_context(request)
+    req = await read_model(request, model_cls)
+    check_model(ctx, req.model)
+    return ctx, req
+
+
+def sampling_from_openai(req, max_tokens: int | None) -> dict:
+    sp: dict[str, Any] = {}
+    if max_tokens is not None:
+        sp["max_new_tokens"] = max_tokens
+    for ours, theirs in SAMPLING_FIELDS:
+        value = getattr(req, theirs)
+        if value is not None:
+            sp[ours] = value
+    if req.stop is not None:
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop
+        if len(stops) > MAX_STOP:
+            raise APIError(f"at most {MAX_STOP} stop sequences", param="stop")
+        sp["stop"] = stops
+    if req.logit_bias:
+        try:
+            sp["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise APIError("logit_bias keys must be token ids", param="logit_bias")
+    sp["ignore_eos"] = req.ignore_eos
+    sp["skip_special_tokens"] = req.skip_special_tokens
+    sp["no_stop_trim"] = req.no_stop_trim
+    for name in GRAMMAR_FIELDS:
+        value = getattr(req, name)
+        if value is not None:
+            sp[name] = value if isinstance(value, str) else json.dumps(value)
+    return sp
+
+
+def sample_rid(rid: str | None, index: int, many: bool) -> str | None:
+    """The request id of one of a request's several generations: ``rid-index`` (still unique), else ``rid``."""
+    return f"{rid}-{index}" if rid and many else rid
+
+
+def usage(outs: list[dict], prompt_outs: list[dict] | None = None) -> dict:
+    prompt_outs = prompt_outs or outs[:1]
+    prompt = sum(o["meta_info"].get("prompt_tokens", 0) for o in prompt_outs)
+    completion = sum(o["meta_info"].get("completion_tokens", 0) for o in outs)
+    cached = sum(o["meta_info"].get("cached_tokens", 0) for o in prompt_outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(out: dict) -> str | None:
+    fr = out["meta_info"].get("finish_reason")
+    if fr is None:
+        return None
+    return {"stop": "stop", "length": "length"}.get(fr["type"], "abort")
+
+
+def sent_logprobs(out: dict) -> int:
+    return len(out["meta_info"].get("output_token_logprobs", []))
+
+
+def include_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def response_header(prefix: str, obj: str, model: str) -> dict:
+    """The fields every OpenAI response and chunk starts with."""
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()), "model": model}
+
+
+class StreamedChoices:
+    """Base of a stream's choice builder: remembers how many logprobs each sample has sent."""
+
+    def __init__(self, samples: int):
+        self.lp_sent = [0] * samples
+
+    def advance_logprobs(self, i: int, out: dict) -> int:
+        """Where sample ``i``'s unsent logprobs start; from now on, all of ``out``'s count as sent."""
+        start, self.lp_sent[i] = self.lp_sent[i], sent_logprobs(out)
+        return start
+
+
+async def openai_sse(streams: list[AsyncIterator[dict]], header: dict, choice: Callable[[int, dict], dict],
+                     with_usage: bool, final_usage: Callable[[list[dict]], dict]) -> AsyncIterator[str]:
+    """One chunk per output of any of the streams (``choice(index, output)`` shapes its choice), then, if asked
+    for, a chunk with no choices and the usage of the outputs that finished (``final_usage``)."""
+    finals: dict[int, dict] = {}
+    async for i, out in merge_streams(streams):
+        one = choice(i, out)
+        if one["finish_reason"] is not None:
+            finals[i] = out
+        yield sse_event({**header, "choices": [one]})
+    if with_usage:
+        yield sse_event({**header, "choices": [], "usage": final_usage(list(finals.values()))})
