@@ -11,37 +11,29 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ..utils import iterate_in_thread
-from .managers.detokenizer_manager import DetokenizerState, format_logprob_pairs
-from .managers.schedule_batch import Req
+from .managers.chat_templates import render_chat
+from .managers.detokenizer_manager import Detokenizer
+from .managers.io_struct import StrOut
+from .managers.request_frontend import RequestFrontend, RequestState, expand_samples, format_logprobs
 from .managers.scheduler import PoolNotWholeError, Scheduler
-from .managers.validation import (
-    MAX_PROMPTS_PER_REQUEST,
-    check_grammar,
-    check_input_ids,
-    check_logprob_args,
-    check_total_length,
-    parse_sampling_params,
-)
+from .managers.scheduler_output import OutputCollector
 from .model_loader.loader import load_model_assets
-from .sampling_params import parallel_samples, sample_count
+from .multimodal.processor import MultimodalProcessor
 from .server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-class _Handle:
-    """One request's mailbox: the loop puts events, the caller takes them."""
+@dataclass
+class _Request(RequestState):
+    """One request's state; its ``queue`` is the caller's mailbox: the loop puts events, the caller takes them."""
 
-    def __init__(self, req: Req, detok: DetokenizerState):
-        self.req = req
-        self.detok = detok
-        self.events: queue.Queue = queue.Queue()
-        self.start = time.monotonic()
+    return_text_in_logprobs: bool = False
 
 
 class Engine:
@@ -55,11 +47,15 @@ class Engine:
         self.scheduler = Scheduler(self.server_args, self.config, self.model_dir, self.tokenizer)
         self.context_len = self.scheduler.context_len
         self.limits = self.scheduler.limits
-        from .multimodal.processor import MultimodalProcessor
-
         # In-process callers own their files, so local image paths are allowed here (unlike the server).
         self.mm_processor = MultimodalProcessor.for_model(self.config, self.model_dir, self.tokenizer, True)
-        self._handles: dict[str, _Handle] = {}
+        # The server's front-end pieces, driven in-process: validation, the scheduler's per-step output deltas,
+        # detokenization, and each request's accumulated state.
+        self.frontend = RequestFrontend(self.tokenizer, self.limits, self.mm_processor,
+                                        lambda: self.scheduler.grammar_cache)
+        self.outputs = OutputCollector()
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self._handles: dict[str, _Request] = {}
         self._inbox: list[tuple[str, Any]] = []
         self._cond = threading.Condition()
         self._stopped = False
@@ -109,28 +105,30 @@ class Engine:
         return iterate_in_thread(self.generate(prompt, sampling_params, input_ids, stream=True, **kwargs))
 
     def abort_request(self, rid: str) -> None:
-        self._post("abort", rid)
+        self._post("control", ("abort", rid, None))
 
     def flush_cache(self) -> bool:
-        result: queue.Queue = queue.Queue()
-        self._post("flush", result)
-        return result.get()
+        return self._control("flush_cache")
 
     def get_stats(self) -> dict:
-        result: queue.Queue = queue.Queue()
-        self._post("stats", result)
-        return result.get()
+        return self._control("get_stats")
 
     def check_pool_whole(self) -> None:
         """Raises PoolNotWholeError unless the engine is idle with every KV slot free or evictable."""
-        result: queue.Queue = queue.Queue()
-        self._post("check", result)
-        err = result.get()
-        if err is not None:
-            raise err
+        problem = self._control("check_pool")
+        if problem is not None:
+            raise PoolNotWholeError(problem)
+
+    def _control(self, kind: str):
+        """A control command, run by the loop thread between steps (``Scheduler.handle_control``)."""
+        reply: queue.Queue = queue.Queue()
+        self._post("control", (kind, None, reply))
+        return reply.get()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        """The prompt for ``messages``, rendered as the server renders it (the same template, the same time limit)."""
+        return render_chat(self.tokenizer, messages, self.server_args.chat_template_timeout,
+                           add_generation_prompt=add_generation_prompt, **kwargs)
 
     def shutdown(self) -> None:
         with self._cond:
@@ -158,20 +156,8 @@ class Engine:
                 rid, extra_key, stream, return_text_in_logprobs, image_data=None):
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}")
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("pass exactly one of prompt or input_ids")
-        if prompt is not None:
-            is_batch = isinstance(prompt, list)
-            prompts = prompt if is_batch else [prompt]
-            if not all(isinstance(p, str) for p in prompts):
-                raise ValueError("prompt must be a string or a list of strings")
-            ids_list = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            is_batch = bool(input_ids) and isinstance(input_ids[0], list)
-            ids_list = input_ids if is_batch else [input_ids]
-            if not all(isinstance(t, int) for ids in ids_list for t in ids):
-                raise ValueError("input_ids must be a list of ints or a list of lists of ints")
-        n = len(ids_list)
+        items, is_batch = self._prompts(prompt, input_ids)
+        n = len(items)
 
         def per_item(value, name):
             if isinstance(value, list):
@@ -180,63 +166,49 @@ class Engine:
                 return value
             return [value] * n
 
-        params = per_item(sampling_params, "sampling_params")
-        logprob_flags = per_item(return_logprob, "return_logprob")
-        starts = per_item(logprob_start_len, "logprob_start_len")
-        tops = per_item(top_logprobs_num, "top_logprobs_num")
         rids = per_item(rid, "rid") if rid is not None else [None] * n
         images = per_item(image_data, "image_data") if is_batch else [image_data]
         # sampling_params n (parallel sampling): n samples of each prompt, grouped per prompt; the result is a list.
-        counts = {sample_count(p) if p is None or isinstance(p, dict) else 1 for p in params} or {1}
-        if len(counts) > 1:
-            raise ValueError("sampling_params n must be the same for every prompt of a batch")
-        n_samples = counts.pop()
-        if n * n_samples > MAX_PROMPTS_PER_REQUEST:  # checked before a single copy is made
-            raise ValueError(f"sampling_params n = {n_samples} for {n} prompt(s) asks for {n * n_samples} samples; "
-                             f"at most {MAX_PROMPTS_PER_REQUEST} (prompts x n) per call")
-        params = [c for p in params for c in (parallel_samples(p) if p is None or isinstance(p, dict) else [p])]
+        n_samples, params, (items, flags, starts, tops, images) = expand_samples(
+            per_item(sampling_params, "sampling_params"), items, per_item(return_logprob, "return_logprob"),
+            per_item(logprob_start_len, "logprob_start_len"), per_item(top_logprobs_num, "top_logprobs_num"), images)
         if n_samples > 1:
             if stream:
                 raise ValueError("stream=True takes a single sample (n=1)")
-            ids_list, logprob_flags, starts, tops, images = ([v for v in vals for _ in range(n_samples)] for vals in
-                                                             (ids_list, logprob_flags, starts, tops, images))
             rids = [None if r is None else f"{r}-{i}" for r in rids for i in range(n_samples)]
             is_batch = True
-        if any(im is not None for im in images) and self.mm_processor is None:
-            raise ValueError("image_data was given, but this model takes no images")
-
-        reqs = []
-        for ids, sp_dict, lp, start, top, r, im in zip(ids_list, params, logprob_flags, starts, tops, rids, images):
-            sp = parse_sampling_params(sp_dict, self.limits, self.tokenizer)
-            check_input_ids(ids, self.limits)
-            mm = None
-            if im is not None:
-                ids, mm = self.mm_processor.expand(ids, im, self.limits.context_len, self.limits.max_total_num_tokens,
-                                                   bool(lp), start)
-            check_total_length(len(ids), sp_dict, sp, self.limits)
-            check_grammar(sp, self.scheduler.grammar_cache)
-            check_logprob_args(len(ids), start, top)
-            req_start = start if start is not None else -1
-            if lp and start is None:
-                req_start = -1  # output logprobs only
-            req = Req(r or uuid.uuid4().hex, ids, sp, bool(lp), req_start, int(top or 0), extra_key, stream, mm)
-            reqs.append(req)
-        handles = []
-        for req in reqs:
-            detok = DetokenizerState(self.tokenizer, req.sampling_params.skip_special_tokens,
-                                     req.sampling_params.spaces_between_special_tokens,
-                                     req.sampling_params.stop, req.sampling_params.no_stop_trim)
-            h = _Handle(req, detok)
-            h.return_text_in_logprobs = return_text_in_logprobs
-            handles.append(h)
+        gis = [self.frontend.prepare(r or uuid.uuid4().hex, text=item if isinstance(item, str) else None,
+                                     input_ids=None if isinstance(item, str) else item, sampling_params=sp,
+                                     stream=stream, return_logprob=bool(lp), logprob_start_len=start,
+                                     top_logprobs_num=top, extra_key=extra_key, image_data=im)
+               for item, sp, lp, start, top, r, im in zip(items, params, flags, starts, tops, rids, images)]
+        handles = [_Request(gi.rid, queue.Queue(), stream, return_text_in_logprobs=return_text_in_logprobs)
+                   for gi in gis]
         with self._cond:
             for h in handles:
-                if h.req.rid in self._handles:
-                    raise ValueError(f"duplicate request id {h.req.rid!r}")
-                self._handles[h.req.rid] = h
-                self._inbox.append(("add", h.req))
+                if h.rid in self._handles:
+                    raise ValueError(f"duplicate request id {h.rid!r}")
+                self._handles[h.rid] = h
+            self._inbox += [("add", gi.tokenized()) for gi in gis]
             self._cond.notify_all()
         return handles, is_batch
+
+    @staticmethod
+    def _prompts(prompt, input_ids) -> tuple[list, bool]:
+        """The prompts (strings or token id lists) and whether the call is a batch."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt or input_ids")
+        if prompt is not None:
+            is_batch = isinstance(prompt, list)
+            prompts = prompt if is_batch else [prompt]
+            if not all(isinstance(p, str) for p in prompts):
+                raise ValueError("prompt must be a string or a list of strings")
+            return prompts, is_batch
+        is_batch = bool(input_ids) and isinstance(input_ids[0], list)
+        ids_list = input_ids if is_batch else [input_ids]
+        if not all(isinstance(t, int) for ids in ids_list for t in ids):
+            raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+        return ids_list, is_batch
 
     def _post(self, kind: str, payload: Any) -> None:
         with self._cond:
@@ -244,57 +216,34 @@ class Engine:
             self._cond.notify_all()
 
     # Results ----------------------------------------------------------------------------------------------------
-    def _wait(self, h: _Handle) -> dict:
+    def _wait(self, h: _Request) -> dict:
         while True:
-            kind, payload = h.events.get()
+            kind, payload = h.queue.get()
             if kind == "error":
                 raise payload
             if kind == "done":
                 return payload
 
-    def _stream(self, h: _Handle) -> Iterator[dict]:
+    def _stream(self, h: _Request) -> Iterator[dict]:
         while True:
-            kind, payload = h.events.get()
+            kind, payload = h.queue.get()
             if kind == "error":
                 raise payload
             yield payload
             if kind == "done":
                 return
 
-    def _result(self, h: _Handle, piece: str | None = None) -> dict:
-        req = h.req
-        finished = req.finished()
-        text = h.detok.full_text(req.output_ids) if piece is None else piece
-        meta = {
-            "id": req.rid,
-            "prompt_tokens": len(req.origin_input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finished_reason if finished else None,
-            "e2e_latency": time.monotonic() - h.start,
-        }
-        if req.return_logprob:
-            with_text = getattr(h, "return_text_in_logprobs", False)
-            meta["input_token_logprobs"] = self._fmt(req.input_token_logprobs, with_text)
-            meta["output_token_logprobs"] = self._fmt(req.output_token_logprobs, with_text)
-            if req.top_logprobs_num:
-                meta["input_top_logprobs"] = [None if t is None else self._fmt(t, with_text) for t in req.input_top_logprobs]
-                meta["output_top_logprobs"] = [self._fmt(t, with_text) for t in req.output_top_logprobs]
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
-
-    def _fmt(self, pairs, with_text: bool) -> list:
-        return format_logprob_pairs(pairs, self.tokenizer, with_text)
-
-    def _deliver(self, req: Req) -> None:
-        h = self._handles.get(req.rid)
+    def _deliver(self, msg: StrOut) -> None:
+        h = self._handles.get(msg.rid)
         if h is None:
             return
-        if req.finished():
-            self._handles.pop(req.rid, None)
-            h.events.put(("done", self._result(h, h.detok.step(req.output_ids, True) if req.stream else None)))
-        elif req.stream:
-            piece = h.detok.step(req.output_ids, False)
-            h.events.put(("chunk", self._result(h, piece)))
+        finished = msg.finished_reason is not None
+        h.merge(msg)
+        result = h.result(msg.text if h.stream else h.text, msg.finished_reason)
+        format_logprobs(result["meta_info"], self.tokenizer, h.return_text_in_logprobs)
+        if finished:
+            self._handles.pop(msg.rid, None)
+        h.queue.put(("done" if finished else "chunk", result))
 
     # The loop ---------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -309,34 +258,23 @@ class Engine:
             try:
                 for kind, payload in inbox:
                     self._handle_message(kind, payload)
-                if sched.has_work():
-                    for req in sched.step():
-                        self._deliver(req)
-                    if not sched.has_work() and self.server_args.check_pool_on_idle:
-                        sched.check_pool_whole()
+                batch = self.outputs.collect(sched.run_iteration())
+                if batch is not None:
+                    for out in self.detokenizer.batch(batch).outputs:
+                        self._deliver(out)
             except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
                 logger.exception("scheduler loop failed")
                 self._error = e
                 for h in list(self._handles.values()):
-                    h.events.put(("error", RuntimeError(f"engine loop failed: {e!r}")))
+                    h.queue.put(("error", RuntimeError(f"engine loop failed: {e!r}")))
                 self._handles.clear()
                 return
 
     def _handle_message(self, kind: str, payload: Any) -> None:
-        sched = self.scheduler
         if kind == "add":
-            sched.add_request(payload)
-        elif kind == "abort":
-            req = sched.abort_request(payload)
-            if req is not None:
-                self._deliver(req)
-        elif kind == "flush":
-            payload.put(sched.flush_cache())
-        elif kind == "stats":
-            payload.put(sched.get_stats())
-        elif kind == "check":
-            try:
-                sched.check_pool_whole()
-                payload.put(None)
-            except PoolNotWholeError as e:
-                payload.put(e)
+            self.scheduler.add_tokenized(payload)
+        elif kind == "control":
+            command, arg, reply = payload
+            result = self.scheduler.handle_control(command, arg)
+            if reply is not None:
+                reply.put(result)

@@ -18,8 +18,12 @@ import subprocess
 import sys
 import time
 
+import requests
+import torch
+
 from ... import environ
 from ...utils import pdeathsig_preexec
+from ..server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +33,6 @@ WORKER_STARTUP_TIMEOUT_S = 600
 
 def worker_argv(server_args, port: int) -> list[str]:
     """``sglang-backend serve`` flags reproducing ``server_args`` (only the non-defaults), on loopback:port."""
-    from ..server_args import ServerArgs
-
     argv = [sys.executable, "-m", "sglang_backend.cli", "serve"]
     for f in dataclasses.fields(ServerArgs):
         value = getattr(server_args, f.name)
@@ -61,8 +63,6 @@ def gpu_split(server_args, dp: int) -> list[dict]:
     """Per worker, the environment that gives it its own tp_size GPUs (nothing when on CPU or too few GPUs)."""
     if server_args.device == "cpu":
         return [{} for _ in range(dp)]
-    import torch
-
     visible = environ.CUDA_VISIBLE_DEVICES.get()
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     per = server_args.tp_size
@@ -74,8 +74,6 @@ def gpu_split(server_args, dp: int) -> list[dict]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = WORKER_STARTUP_TIMEOUT_S) -> None:
-    import requests
-
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:

@@ -7,7 +7,16 @@ could still become a stop string, so a client never sees text that is later retr
 
 from __future__ import annotations
 
+import logging
+import os
+
+import zmq
+
 from ...utils import die_with_parent
+from ..model_loader.loader import load_tokenizer
+from .io_struct import BatchStrOut, BatchTokenOut, ControlOut, StrOut, TokenOut
+
+logger = logging.getLogger(__name__)
 
 
 def trim_stop(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -64,26 +73,55 @@ class DetokenizerState:
         return piece
 
 
+class Detokenizer:
+    """Token ids -> text, per request, from each step's ``BatchTokenOut``: the detokenizer process runs one, and so
+    does the offline Engine (in its loop thread). Ids accumulate here; a stream gets its new piece of text, a
+    finished request the full text. A request whose decoding fails is failed alone (a 500 abort)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, tuple[DetokenizerState, list[int]]] = {}
+        self.failed: set[str] = set()  # requests failed here while the scheduler may still be running them
+
+    def batch(self, batch: BatchTokenOut) -> BatchStrOut:
+        return BatchStrOut([out for out in map(self.convert, batch.outputs) if out is not None])
+
+    def convert(self, msg: TokenOut) -> StrOut | None:
+        finished = msg.finished_reason is not None
+        if msg.rid in self.failed:  # already answered with an error; drop the rest of its output
+            if finished:
+                self.failed.discard(msg.rid)
+            return None
+        try:
+            if msg.rid not in self.states:
+                self.states[msg.rid] = (DetokenizerState(self.tokenizer, **(msg.detok_options or {})), [])
+            state, ids = self.states[msg.rid]
+            if msg.keep_len is not None:
+                del ids[msg.keep_len:]
+            ids.extend(msg.new_ids)
+            text = state.step(ids, finished) if msg.stream else state.full_text(ids)
+        except Exception as e:  # noqa: BLE001 - one request's decoding problem fails that request only
+            logger.exception("detokenizing request %s failed", msg.rid)
+            self.states.pop(msg.rid, None)
+            if not finished:
+                self.failed.add(msg.rid)
+            error = {"type": "abort", "message": f"detokenization failed ({type(e).__name__})", "status_code": 500}
+            return StrOut(msg.rid, "", [], None, error, {})
+        if finished:
+            del self.states[msg.rid]
+        return StrOut(msg.rid, text, msg.new_ids, msg.keep_len, msg.finished_reason, msg.meta)
+
+
 def run_detokenizer_process(server_args, ipc: dict, tokenizer_path: str) -> None:
-    """TokenOut (token ids) from the scheduler -> StrOut (text pieces) to the tokenizer manager."""
+    """BatchTokenOut (token ids) from the scheduler -> BatchStrOut (text pieces) to the tokenizer manager."""
     die_with_parent()  # SIGKILL with the server process; SIGINT ignored (see utils.die_with_parent)
-    import logging
-    import os
-
-    import zmq
-
-    from ..model_loader.loader import load_tokenizer
-    from .io_struct import ControlOut, StrOut, TokenOut
-
     logging.basicConfig(level=server_args.log_level.upper(), format="[detokenizer] %(levelname)s %(message)s")
-    tokenizer = load_tokenizer(tokenizer_path)
+    detokenizer = Detokenizer(load_tokenizer(tokenizer_path))
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
     recv.bind(ipc["detokenizer_input"])
     send = ctx.socket(zmq.PUSH)
     send.connect(ipc["tokenizer_input"])
-    states: dict[str, tuple[DetokenizerState, list[int]]] = {}
-    failed: set[str] = set()  # requests failed here while the scheduler may still be running them
     parent = os.getppid()
     while True:
         if not recv.poll(1000):
@@ -93,33 +131,10 @@ def run_detokenizer_process(server_args, ipc: dict, tokenizer_path: str) -> None
         msg = recv.recv_pyobj()
         if isinstance(msg, ControlOut):
             send.send_pyobj(msg)
-            continue
-        if not isinstance(msg, TokenOut):
-            continue
-        finished = msg.finished_reason is not None
-        if msg.rid in failed:  # already answered with an error; drop the rest of its output
-            if finished:
-                failed.discard(msg.rid)
-            continue
-        try:
-            if msg.rid not in states:
-                states[msg.rid] = (DetokenizerState(tokenizer, **(msg.detok_options or {})), [])
-            state, ids = states[msg.rid]
-            if msg.keep_len is not None:
-                del ids[msg.keep_len:]
-            ids.extend(msg.new_ids)
-            text = state.step(ids, finished) if msg.stream else state.full_text(ids)
-        except Exception as e:  # noqa: BLE001 - one request's decoding problem fails that request only
-            logging.getLogger(__name__).exception("detokenizing request %s failed", msg.rid)
-            states.pop(msg.rid, None)
-            if not finished:
-                failed.add(msg.rid)
-            error = {"type": "abort", "message": f"detokenization failed ({type(e).__name__})", "status_code": 500}
-            send.send_pyobj(StrOut(msg.rid, "", [], None, error, {}))
-            continue
-        if finished:
-            del states[msg.rid]
-        send.send_pyobj(StrOut(msg.rid, text, msg.new_ids, msg.keep_len, msg.finished_reason, msg.meta))
+        elif isinstance(msg, BatchTokenOut):
+            out = detokenizer.batch(msg)
+            if out.outputs:
+                send.send_pyobj(out)
 
 
 def format_logprob_pairs(pairs, tokenizer, with_text: bool) -> list:

@@ -1,9 +1,12 @@
 """Messages between the server's processes (pickled over ZMQ).
 
 TokenizerManager --TokenizedGenerateReq/AbortReq/ControlReq--> Scheduler
-Scheduler --TokenOut (per request, new token ids + meta)--> Detokenizer
-Detokenizer --StrOut (new text piece + meta)--> TokenizerManager
+Scheduler --BatchTokenOut (one per step: a TokenOut per request with output, only what is new)--> Detokenizer
+Detokenizer --BatchStrOut (a StrOut per request: new text piece + what is new)--> TokenizerManager
 Scheduler --ControlOut (replies to ControlReq)--> TokenizerManager (through the detokenizer, in order)
+
+The offline Engine passes the same objects in-process (no pickling): a TokenizedGenerateReq to the scheduler,
+each step's BatchTokenOut through the same ``Detokenizer`` and into the same ``RequestState``.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..sampling_params import SamplingParams
+
 
 @dataclass
 class TokenizedGenerateReq:
     rid: str
     input_ids: list[int]
-    sampling_params: dict
+    sampling_params: SamplingParams  # validated and normalized by the front-end: the scheduler uses it as is
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
@@ -49,11 +54,19 @@ class TokenOut:
     rid: str
     new_ids: list[int]  # output ids produced since the last TokenOut for this request
     finished_reason: dict | None
-    meta: dict = field(default_factory=dict)  # prompt/completion/cached tokens, logprobs added since last
+    # prompt/cached token counts (first message and when finished), logprob entries added since the last one
+    meta: dict = field(default_factory=dict)
     stream: bool = False
     # Detokenization options, sent once with the first TokenOut of a request.
     detok_options: dict | None = None
     keep_len: int | None = None  # output ids already sent that stay (None: all); jump-forward rewrites tails
+
+
+@dataclass
+class BatchTokenOut:
+    """One scheduler step's output: one message (one pickle) for every request that advanced."""
+
+    outputs: list[TokenOut]
 
 
 @dataclass
@@ -64,6 +77,11 @@ class StrOut:
     keep_len: int | None
     finished_reason: dict | None
     meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class BatchStrOut:
+    outputs: list[StrOut]
 
 
 @dataclass

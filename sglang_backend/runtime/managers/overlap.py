@@ -47,6 +47,9 @@ def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
 
 
 class OverlapDecoder:
+    """Drives the scheduler's decode through its public interface: ``available_tokens``, ``alloc_slots``,
+    ``run_decode`` (the synchronous fallback), ``check_finished``, ``fail_request`` and ``release``."""
+
     def __init__(self, scheduler):
         self.sched = scheduler
         self.inflight: InflightDecode | None = None
@@ -73,7 +76,7 @@ class OverlapDecoder:
         s = self.sched
         return (bool(s.running) and not s.waiting_queue and s.chunked_req is None and not s.grammar_queue
                 and s.fault_injector is None and all(self.eligible(r) for r in s.running)
-                and len(s.running) <= s._available_tokens())
+                and len(s.running) <= s.available_tokens())
 
     # The step ---------------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
@@ -95,7 +98,7 @@ class OverlapDecoder:
             logger.exception("overlapped decode launch failed; running this step synchronously")
             self.inflight = None
             out = self._finish(prev) if prev is not None else []
-            return out + (self.sched._run_decode() if self.sched.running else [])
+            return out + (self.sched.run_decode() if self.sched.running else [])
         out = self._finish(prev) if prev is not None else []
         if self.inflight is not None and all(r.finished() for r in self.inflight.reqs):
             self.inflight = None  # every row of it is dropped anyway
@@ -111,7 +114,7 @@ class OverlapDecoder:
         dev = s.device
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        locs = s._alloc_slots(len(reqs), -1)
+        locs = s.alloc_slots(len(reqs), -1)
         assert locs is not None, "decode allocation failed after the memory check"
         s.req_to_token_pool.write_tokens(rows, positions, locs)
         if prev is not None and None not in src:
@@ -179,16 +182,16 @@ class OverlapDecoder:
             if req.finished():
                 continue  # aborted meanwhile, or ended by its previous token: this one is dropped
             if not ok:
-                s._fail_request(req, "the model produced non-finite logits (NaN or inf) for this request")
+                s.fail_request(req, "the model produced non-finite logits (NaN or inf) for this request")
                 continue
             req.output_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
-            s._check_finished(req)
+            s.check_finished(req)
             out.append(req)
         s.stats.num_generated_tokens += len(out)
         for req in out:
             if req.finished():
                 s.running.remove(req)
-                s._release(req)
+                s.release(req)
         return out

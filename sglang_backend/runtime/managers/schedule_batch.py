@@ -28,6 +28,9 @@ def finish_abort(message: str, status_code: int = 400) -> dict:
     return {"type": "abort", "message": message, "status_code": status_code}
 
 
+NOTHING_REWRITTEN = 1 << 62  # Req.output_ids_rewritten_from while jump-forward has re-tokenized nothing unsent
+
+
 class Req:
     def __init__(
         self,
@@ -82,7 +85,7 @@ class Req:
         self.num_retractions = 0
         self.admitted_before = False
         self.grammar = None  # GrammarMatcher for regex / JSON-schema constrained requests
-        self.output_ids_rewritten_from = 1 << 62  # smallest output index changed by jump-forward since last emit
+        self.output_ids_rewritten_from = NOTHING_REWRITTEN  # smallest output index changed by jump-forward since last emit
 
     def grammar_spec(self) -> tuple[str, str] | None:
         sp = self.sampling_params

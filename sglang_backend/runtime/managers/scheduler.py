@@ -9,18 +9,32 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import pickle
 import time
 from dataclasses import dataclass, field
 
 import torch
+import zmq
 
 from ...utils import die_with_parent
+from ..constrained import GrammarCache, retokenize_jump_forward
 from ..layers.logits_processor import token_logprobs, top_logprobs
 from ..layers.sampler import Sampler, SamplingBatchInfo
+from ..mem_cache.chunk_cache import ChunkCache
+from ..mem_cache.radix_cache import RadixCache
+from ..mem_cache.table_cache import TableCache
 from ..model_executor.forward_batch import ForwardMode
 from ..model_executor.model_runner import ModelRunner
+from ..model_loader.loader import load_model_assets
+from ..sampling_params import SamplingParams
+from .fault_injection import FaultInjector
+from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, SchedulerReady, TokenizedGenerateReq
+from .overlap import OverlapDecoder
 from .schedule_batch import Req, ScheduleBatch, finish_abort, finish_length, finish_stop
 from .schedule_policy import SchedulePolicy, shares_uncached_prefix
+from .scheduler_output import OutputCollector
+from .validation import ModelLimits
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +77,17 @@ def merge_batches(parts: list[ScheduleBatch], mode: ForwardMode) -> ScheduleBatc
 
 
 @dataclass
+class PrefillPlan:
+    """The prefill batch being formed: what is admitted so far and the token budgets left."""
+
+    chunk_budget: float  # chunked_prefill_size (inf: off)
+    input_budget: float  # max_prefill_tokens
+    reqs: list[Req] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+
+
+@dataclass
 class SchedulerStats:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -100,16 +125,10 @@ class Scheduler:
         self.eos_token_ids = self._eos_ids(config, tokenizer)
 
         if server_args.disable_radix_cache:
-            from ..mem_cache.chunk_cache import ChunkCache
-
             self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
         elif server_args.table_cache:
-            from ..mem_cache.table_cache import TableCache
-
             self.tree_cache = TableCache(self.req_to_token_pool, self.allocator)
         else:
-            from ..mem_cache.radix_cache import RadixCache
-
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.starvation_limit,
                                      server_args.random_seed)
@@ -123,12 +142,8 @@ class Scheduler:
         self.just_aborted: list[Req] = []  # ended by the scheduler itself; reported with the next step
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
-        from .fault_injection import FaultInjector
-
         self.fault_injector = FaultInjector.from_env()  # tests only; None in normal runs
         self.request_log: list[Req] | None = None  # benchmarks set a list to record every request added
-        from .overlap import OverlapDecoder
-
         self.overlap = OverlapDecoder(self) if OverlapDecoder.supported(server_args, self.device) else None
 
     @staticmethod
@@ -144,16 +159,12 @@ class Scheduler:
     # Requests in / out ----------------------------------------------------------------------------------------
     @property
     def limits(self):
-        from .validation import ModelLimits
-
         return ModelLimits(self.context_len, self.max_total_num_tokens, self.model_runner.vocab_size)
 
     @property
     def grammar_cache(self):
         """Compiled regex/JSON-schema grammars (token masks), shared by all requests; built on first use."""
         if self._grammar_cache is None:
-            from ..constrained import GrammarCache
-
             sa = self.server_args
             self._grammar_cache = GrammarCache(self.tokenizer, self.model_runner.vocab_size, self.eos_token_ids,
                                                timeout_s=sa.grammar_compile_timeout,
@@ -211,13 +222,60 @@ class Scheduler:
                     self.chunked_req = None
                 else:
                     self.running.remove(req)
-                self._release(req)
+                self.release(req)
                 self.stats.num_aborted += 1
                 return req
         return None
 
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_queue)
+
+    # The front-end's interface (the Engine's loop thread and the server's scheduler process alike) ----------------
+    def add_tokenized(self, msg: TokenizedGenerateReq) -> None:
+        """Adds a request the front-end validated (its sampling params parsed and normalized there). One that
+        still cannot be built fails alone, reported with the next ``run_iteration``."""
+        try:
+            req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.return_logprob, msg.logprob_start_len,
+                      msg.top_logprobs_num, msg.extra_key, msg.stream, msg.mm_inputs)
+        except Exception as e:  # noqa: BLE001 - one bad request fails alone; the loop keeps serving
+            logger.warning("rejected request %s: %s", msg.rid, e)
+            req = Req(msg.rid, msg.input_ids or [0], SamplingParams(max_new_tokens=0))
+            req.finished_reason = finish_abort(f"invalid request: {e}")
+            self.just_aborted.append(req)
+            return
+        self.add_request(req)
+
+    def handle_control(self, kind: str, payload=None):
+        """The control commands: ``abort`` (payload: the rid; True if found: the request is reported with the next
+        ``run_iteration``), ``flush_cache``, ``get_stats``, ``check_pool`` (None, or what is wrong)."""
+        if kind == "abort":
+            req = self.abort_request(payload)
+            if req is not None:
+                self.just_aborted.append(req)
+            return req is not None
+        if kind == "flush_cache":
+            return self.flush_cache()
+        if kind == "get_stats":
+            return self.get_stats()
+        if kind == "check_pool":
+            try:
+                self.check_pool_whole()
+            except PoolNotWholeError as e:
+                return str(e)
+            return None
+        return {"error": f"unknown control {kind!r}"}
+
+    def run_iteration(self) -> list[Req]:
+        """One turn of a driving loop: a step if there is work, plus the requests ended outside a step (aborted,
+        rejected). Returns the requests with new output. With ``check_pool_on_idle``, raises
+        ``PoolNotWholeError`` when this turn left the scheduler idle with the KV pool not whole."""
+        worked = self.has_work() or bool(self.just_aborted)
+        out = self.step() if self.has_work() else []
+        if self.just_aborted:
+            out, self.just_aborted = out + self.just_aborted, []
+        if worked and not self.has_work() and self.server_args.check_pool_on_idle:
+            self.check_pool_whole()
+        return out
 
     # The loop ---------------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
@@ -234,7 +292,7 @@ class Scheduler:
         if batch is not None:
             out += self._run_extend(batch)
         elif self.running:
-            out += self._run_decode()
+            out += self.run_decode()
         elif self.server_args.check_pool_on_idle and not self.has_work():
             self.check_pool_whole()
         if self.just_aborted:
@@ -245,84 +303,32 @@ class Scheduler:
     def _reserved_decode_tokens(self, reqs) -> int:
         return int(sum(min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in reqs) * self.new_token_ratio)
 
-    def _available_tokens(self) -> int:
+    def available_tokens(self) -> int:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
 
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         sa = self.server_args
-        chunk_budget = sa.chunked_prefill_size if sa.chunked_prefill_size > 0 else float("inf")
-        input_budget = max(sa.max_prefill_tokens, 1)
-        admitted: list[Req] = []
-        prefix_lens: list[int] = []
-        extend_lens: list[int] = []
-
-        def admit(req: Req, extend_len: int) -> bool:
-            nonlocal chunk_budget, input_budget
-            if not self._alloc_extend(req, extend_len):
-                return False
-            admitted.append(req)
-            prefix_lens.append(req.kv_len - extend_len)
-            extend_lens.append(extend_len)
-            chunk_budget -= extend_len
-            input_budget -= extend_len
-            return True
-
+        plan = PrefillPlan(sa.chunked_prefill_size if sa.chunked_prefill_size > 0 else float("inf"),
+                           max(sa.max_prefill_tokens, 1))
         # A partly computed prompt continues first.
         if self.chunked_req is not None:
             req = self.chunked_req
             self.chunked_req = None
             remaining = req.seq_len - req.kv_len
-            extend = min(remaining, self._page_floor(chunk_budget, remaining))
+            extend = min(remaining, self._page_floor(plan.chunk_budget, remaining))
             req.is_chunked = extend < remaining
-            if not admit(req, extend):
+            if not self._admit(plan, req, extend):
                 raise RuntimeError("out of KV memory while continuing a chunked prefill")
 
         t0 = time.perf_counter()
         ordered = self.policy.order(self.waiting_queue)
         self.stats.tree_op_seconds += time.perf_counter() - t0
-        max_running = sa.max_running_requests
         for req in ordered:
-            if len(self.running) + len(admitted) >= max_running or self.req_to_token_pool.available_size() == 0:
+            if not self._try_admit(plan, req):
                 break
-            if chunk_budget <= 0 or input_budget <= 0 or admitted and admitted[-1].is_chunked:
-                break
-            t0 = time.perf_counter()
-            self.policy.match(req)  # fresh: earlier admissions may have evicted or extended an older match
-            self.stats.tree_op_seconds += time.perf_counter() - t0
-            if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
-                    and shares_uncached_prefix(req, admitted):
-                continue
-            self.tree_cache.inc_lock_ref(req.last_node)
-            prefix_len = len(req.prefix_indices)
-            extend = req.seq_len - prefix_len
-            reserve = self._reserved_decode_tokens(self.running + admitted + [req])
-            if extend + reserve > self._available_tokens() and (self.running or admitted):
-                self.tree_cache.dec_lock_ref(req.last_node)
-                break
-            if extend > min(chunk_budget, input_budget):
-                if sa.chunked_prefill_size > 0:
-                    extend = self._page_floor(min(chunk_budget, input_budget), extend)
-                    if extend <= 0:
-                        self.tree_cache.dec_lock_ref(req.last_node)
-                        break
-                    req.is_chunked = True
-                elif admitted:
-                    self.tree_cache.dec_lock_ref(req.last_node)
-                    break
-            if not self._start_request(req) or not admit(req, extend):
-                self.tree_cache.dec_lock_ref(req.last_node)
-                if req.req_pool_idx is not None:
-                    self.req_to_token_pool.free(req.req_pool_idx)
-                    req.req_pool_idx = None
-                req.is_chunked = False
-                break
-            if not req.admitted_before:  # retracted / jump-forwarded requests come back; count them once
-                req.admitted_before = True
-                req.cached_tokens = prefix_len
-                self.stats.num_prompt_tokens += len(req.origin_input_ids)
-                self.stats.num_cached_tokens += prefix_len
+        admitted = plan.reqs
         if not admitted:
             return None
         admitted_ids = {id(r) for r in admitted}
@@ -330,7 +336,71 @@ class Scheduler:
             if id(req) not in admitted_ids:
                 req.skipped_rounds += 1
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted_ids]
-        return self._build_extend_batch(admitted, prefix_lens, extend_lens)
+        return self._build_extend_batch(admitted, plan.prefix_lens, plan.extend_lens)
+
+    def _admit(self, plan: PrefillPlan, req: Req, extend_len: int) -> bool:
+        if not self._alloc_extend(req, extend_len):
+            return False
+        plan.reqs.append(req)
+        plan.prefix_lens.append(req.kv_len - extend_len)
+        plan.extend_lens.append(extend_len)
+        plan.chunk_budget -= extend_len
+        plan.input_budget -= extend_len
+        return True
+
+    def _try_admit(self, plan: PrefillPlan, req: Req) -> bool:
+        """Adds the next waiting request (in policy order) to the prefill batch if it fits. False: admit no more
+        this round (a request skipped by in-batch prefix dedup returns True: the next one may still come)."""
+        sa = self.server_args
+        admitted = plan.reqs
+        if len(self.running) + len(admitted) >= sa.max_running_requests or self.req_to_token_pool.available_size() == 0:
+            return False
+        if plan.chunk_budget <= 0 or plan.input_budget <= 0 or admitted and admitted[-1].is_chunked:
+            return False
+        t0 = time.perf_counter()
+        self.policy.match(req)  # fresh: earlier admissions may have evicted or extended an older match
+        self.stats.tree_op_seconds += time.perf_counter() - t0
+        if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
+                and shares_uncached_prefix(req, admitted):
+            return True
+        self.tree_cache.inc_lock_ref(req.last_node)
+        prefix_len = len(req.prefix_indices)
+        extend = self._fit_extend(plan, req, prefix_len)
+        if extend is None:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            return False
+        if not self._start_request(req) or not self._admit(plan, req, extend):
+            self.tree_cache.dec_lock_ref(req.last_node)
+            if req.req_pool_idx is not None:
+                self.req_to_token_pool.free(req.req_pool_idx)
+                req.req_pool_idx = None
+            req.is_chunked = False
+            return False
+        if not req.admitted_before:  # retracted / jump-forwarded requests come back; count them once
+            req.admitted_before = True
+            req.cached_tokens = prefix_len
+            self.stats.num_prompt_tokens += len(req.origin_input_ids)
+            self.stats.num_cached_tokens += prefix_len
+        return True
+
+    def _fit_extend(self, plan: PrefillPlan, req: Req, prefix_len: int) -> int | None:
+        """How many of the request's tokens this batch computes (fewer when chunked), or None if it does not fit:
+        its decode reservation exceeds the free KV, or the prompt exceeds the budgets and cannot be chunked."""
+        sa = self.server_args
+        extend = req.seq_len - prefix_len
+        reserve = self._reserved_decode_tokens(self.running + plan.reqs + [req])
+        if extend + reserve > self.available_tokens() and (self.running or plan.reqs):
+            return None
+        budget = min(plan.chunk_budget, plan.input_budget)
+        if extend > budget:
+            if sa.chunked_prefill_size > 0:
+                extend = self._page_floor(budget, extend)
+                if extend <= 0:
+                    return None
+                req.is_chunked = True
+            elif plan.reqs:
+                return None
+        return extend
 
     def _page_floor(self, budget, need: int) -> int:
         """Largest chunk <= budget that ends on a page boundary (so the tree can take the chunk's KV)."""
@@ -350,7 +420,7 @@ class Scheduler:
             self.req_to_token_pool.write(idx, 0, req.prefix_indices)
         return True
 
-    def _alloc_slots(self, need: int, last_loc: int) -> torch.Tensor | None:
+    def alloc_slots(self, need: int, last_loc: int) -> torch.Tensor | None:
         if need <= 0:
             return torch.empty(0, dtype=torch.int64)
         # With pages, the tail may need one page more than need/page_size: ask for that much room.
@@ -368,7 +438,7 @@ class Scheduler:
         return int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len - 1])
 
     def _alloc_extend(self, req: Req, extend_len: int) -> bool:
-        locs = self._alloc_slots(extend_len, self._last_loc(req))
+        locs = self.alloc_slots(extend_len, self._last_loc(req))
         if locs is None:
             return False
         self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, locs)
@@ -418,7 +488,7 @@ class Scheduler:
             if req.sampling_params.max_new_tokens == 0 or req.remaining_new_tokens() == 0:
                 # Prefill only: the frontend's fork hint caches the prefix and returns.
                 req.finished_reason = finish_length(len(req.output_ids))
-                self._release(req)
+                self.release(req)
                 outputs.append(req)
                 continue
             sample_reqs.append(req)
@@ -444,21 +514,21 @@ class Scheduler:
             req.input_top_logprobs.extend(list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist()))
 
     # Decode ------------------------------------------------------------------------------------------------
-    def _run_decode(self) -> list[Req]:
+    def run_decode(self) -> list[Req]:
         self._retract_if_needed()
         reqs = self.running
         if not reqs:
             return []
         if self.page_size == 1:
             # The whole step's slots in one allocation and one table write.
-            locs = self._alloc_slots(len(reqs), -1)
+            locs = self.alloc_slots(len(reqs), -1)
             assert locs is not None, "decode allocation failed after retraction check"
             self.req_to_token_pool.write_tokens(torch.tensor([r.req_pool_idx for r in reqs]),
                                                 torch.tensor([r.kv_len for r in reqs]), locs)
         else:
             per_req = []
             for req in reqs:
-                loc = self._alloc_slots(1, self._last_loc(req))
+                loc = self.alloc_slots(1, self._last_loc(req))
                 assert loc is not None, "decode allocation failed after retraction check"
                 self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, loc)
                 per_req.append(loc)
@@ -482,22 +552,22 @@ class Scheduler:
         return sum(self.page_size for r in self.running if r.kv_len % self.page_size == 0)
 
     def _retract_if_needed(self) -> None:
-        if self._decode_need() <= self._available_tokens():
+        if self._decode_need() <= self.available_tokens():
             return
         # Retract the requests that have decoded least (cheapest to redo), longest prompts first among them.
         self.running.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
         retracted = []
-        while len(self.running) > 1 and self._decode_need() > self._available_tokens():
+        while len(self.running) > 1 and self._decode_need() > self.available_tokens():
             req = self.running.pop()
-            self._release(req)  # its KV goes into the tree: resuming it is mostly a cache hit
+            self.release(req)  # its KV goes into the tree: resuming it is mostly a cache hit
             req.reset_kv_state()
             req.num_retractions += 1
             retracted.append(req)
-        if self._decode_need() > self._available_tokens():
+        if self._decode_need() > self.available_tokens():
             # One request alone has outgrown the pool: end it rather than stall the loop.
             req = self.running.pop()
             req.finished_reason = finish_abort("the sequence outgrew the KV cache; raise max_total_tokens", 507)
-            self._release(req)
+            self.release(req)
             self.just_aborted.append(req)
         self.stats.num_retractions += len(retracted)
         self.waiting_queue = retracted[::-1] + self.waiting_queue
@@ -531,15 +601,15 @@ class Scheduler:
                 parts.append(self._forward(sub))
                 kept.append(sub)
             except Exception as e:  # noqa: BLE001
-                self._fail_request(sub.reqs[0], f"the model failed on this request ({type(e).__name__})",
+                self.fail_request(sub.reqs[0], f"the model failed on this request ({type(e).__name__})",
                                    decode_slot=batch.forward_mode.is_decode())
         if len(batch.reqs) == 1:
-            self._fail_request(batch.reqs[0], f"the model failed on this request ({type(first_error).__name__})",
+            self.fail_request(batch.reqs[0], f"the model failed on this request ({type(first_error).__name__})",
                                decode_slot=batch.forward_mode.is_decode())
         logits = torch.cat(parts) if parts else torch.empty(0, self.model_runner.vocab_size, device=self.device)
         return merge_batches(kept, batch.forward_mode), logits
 
-    def _fail_request(self, req: Req, message: str, decode_slot: bool = False) -> None:
+    def fail_request(self, req: Req, message: str, decode_slot: bool = False) -> None:
         """Ends one request with an internal error. Its own KV may be garbage, so it is freed, never shared
         through the tree; ``decode_slot``: the slot allocated for this decode step is freed too."""
         logger.error("request %s failed: %s", req.rid, message)
@@ -563,31 +633,15 @@ class Scheduler:
             return reqs, logits
         for req, ok in zip(reqs, finite):
             if not ok:
-                self._fail_request(req, "the model produced non-finite logits (NaN or inf) for this request")
+                self.fail_request(req, "the model produced non-finite logits (NaN or inf) for this request")
         keep = [i for i, ok in enumerate(finite) if ok]
         return [reqs[i] for i in keep], logits[keep]
 
     def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor, new_running: bool) -> list[Req]:
         reqs, logits = self._drop_non_finite(reqs, logits)
+        reqs, logits, sample_logits = self._apply_grammar_masks(reqs, logits)
         if not reqs:
             return []
-        sample_logits = logits
-        if any(r.grammar is not None for r in reqs):
-            sample_logits = logits.clone()  # logprobs stay those of the model, not of the mask
-            failed = set()
-            for i, req in enumerate(reqs):
-                if req.grammar is not None:
-                    try:
-                        req.grammar.fill_mask(sample_logits[i])
-                    except Exception as e:  # noqa: BLE001 - one request's grammar fails that request only
-                        logger.exception("grammar mask failed for request %s", req.rid)
-                        self._fail_request(req, f"the grammar step failed for this request ({type(e).__name__}: {e})")
-                        failed.add(i)
-            if failed:
-                keep = [i for i in range(len(reqs)) if i not in failed]
-                if not keep:
-                    return []
-                reqs, logits, sample_logits = [reqs[i] for i in keep], logits[keep], sample_logits[keep]
         info = SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs], [r.text_input_ids for r in reqs], [r.output_ids for r in reqs],
             [r.generator for r in reqs], self.eos_token_ids, self.model_runner.vocab_size, self.device)
@@ -601,6 +655,7 @@ class Scheduler:
         else:
             ids, ok = self.sampler(sample_logits, info), None
         next_ids = ids.tolist()
+        out_lps = None
         if any(r.return_logprob for r in reqs):
             out_lps = token_logprobs(logits, torch.tensor(next_ids, device=logits.device)).tolist()
         now = time.monotonic()
@@ -612,32 +667,61 @@ class Scheduler:
                 self.stats.num_aborted += 1
                 logger.info("request %s ended: %s", req.rid, req.finished_reason["message"])
                 advanced.append(req)
-                continue
-            try:
-                req.output_ids.append(tok)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if req.return_logprob:
-                    req.output_token_logprobs.append((out_lps[i], tok))
-                    if req.top_logprobs_num:
-                        vals, top_ids = top_logprobs(logits[i : i + 1], req.top_logprobs_num)
-                        req.output_top_logprobs.append(list(zip(vals[0].tolist(), top_ids[0].tolist())))
-                if req.grammar is not None:
-                    req.grammar.advance(tok)
-                self._check_finished(req)
-            except Exception as e:  # noqa: BLE001 - one request's post-processing fails that request only
-                logger.exception("post-processing of request %s failed", req.rid)
-                self._fail_request(req, f"the step failed for this request ({type(e).__name__}: {e})")
-                continue
-            advanced.append(req)
-            n_sampled += 1
-        reqs = advanced
+            elif self._append_token(req, tok, out_lps[i] if out_lps is not None else None, logits[i : i + 1], now):
+                advanced.append(req)
+                n_sampled += 1
         self.stats.num_generated_tokens += n_sampled
+        self._after_sampling(advanced, new_running)
+        return advanced
+
+    def _apply_grammar_masks(self, reqs: list[Req], logits: torch.Tensor):
+        """(requests, logits, logits to sample from): grammar requests' rows masked in a copy (logprobs stay those
+        of the model, not of the mask); a request whose mask fails is failed and left out."""
+        if not any(r.grammar is not None for r in reqs):
+            return reqs, logits, logits
+        sample_logits = logits.clone()
+        failed = set()
+        for i, req in enumerate(reqs):
+            if req.grammar is not None:
+                try:
+                    req.grammar.fill_mask(sample_logits[i])
+                except Exception as e:  # noqa: BLE001 - one request's grammar fails that request only
+                    logger.exception("grammar mask failed for request %s", req.rid)
+                    self.fail_request(req, f"the grammar step failed for this request ({type(e).__name__}: {e})")
+                    failed.add(i)
+        if not failed:
+            return reqs, logits, sample_logits
+        keep = [i for i in range(len(reqs)) if i not in failed]
+        return [reqs[i] for i in keep], logits[keep], sample_logits[keep]
+
+    def _append_token(self, req: Req, tok: int, logprob: float | None, logits_row: torch.Tensor, now: float) -> bool:
+        """Adds the sampled token (and its logprobs), advances the grammar, checks for the end. False if this
+        request's post-processing failed (the request is failed alone)."""
+        try:
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.return_logprob:
+                req.output_token_logprobs.append((logprob, tok))
+                if req.top_logprobs_num:
+                    vals, top_ids = top_logprobs(logits_row, req.top_logprobs_num)
+                    req.output_top_logprobs.append(list(zip(vals[0].tolist(), top_ids[0].tolist())))
+            if req.grammar is not None:
+                req.grammar.advance(tok)
+            self.check_finished(req)
+        except Exception as e:  # noqa: BLE001 - one request's post-processing fails that request only
+            logger.exception("post-processing of request %s failed", req.rid)
+            self.fail_request(req, f"the step failed for this request ({type(e).__name__}: {e})")
+            return False
+        return True
+
+    def _after_sampling(self, reqs: list[Req], new_running: bool) -> None:
+        """Finished requests leave (their KV to the tree); new ones join the running batch; grammars jump ahead."""
         for req in reqs:
             if req.finished():
                 if not new_running:
                     self.running.remove(req)
-                self._release(req)
+                self.release(req)
                 continue
             if new_running:
                 self._cache_unfinished(req)  # share the prompt's KV with requests arriving meanwhile
@@ -649,8 +733,7 @@ class Scheduler:
                     logger.exception("jump-forward of request %s failed", req.rid)
                     if req in self.waiting_queue:
                         self.waiting_queue.remove(req)
-                    self._fail_request(req, f"the grammar step failed for this request ({type(e).__name__}: {e})")
-        return reqs
+                    self.fail_request(req, f"the grammar step failed for this request ({type(e).__name__}: {e})")
 
     @staticmethod
     def _nothing_to_sample_message(req: Req) -> str:
@@ -663,8 +746,6 @@ class Scheduler:
         """Appends the grammar's forced continuation in one step (compressed FSM): the text is re-tokenized
         with the real tokenizer at the boundary, the request leaves the running batch, and its next extend
         prefills only the new tail against its cached prefix (paper §4)."""
-        from ..constrained import retokenize_jump_forward
-
         forced = req.grammar.forced_string()
         if not forced:
             return
@@ -676,7 +757,7 @@ class Scheduler:
         # The KV of the current tokens is valid: hand it to the tree as is. Re-admission matches the new
         # token sequence up to where re-tokenization changed it, and the old tail is left for eviction.
         self.running.remove(req)
-        self._release(req)
+        self.release(req)
         req.reset_kv_state()
         if n_drop:
             del req.output_ids[-n_drop:]
@@ -686,7 +767,7 @@ class Scheduler:
         self.stats.num_jump_forward += 1
         self.stats.num_jump_forward_tokens += len(new_ids)
 
-    def _check_finished(self, req: Req) -> None:
+    def check_finished(self, req: Req) -> None:
         sp = req.sampling_params
         tok = req.output_ids[-1]
         if req.grammar is not None and req.grammar.is_finished():
@@ -718,7 +799,7 @@ class Scheduler:
         self.tree_cache.cache_unfinished_req(req, req.all_ids[: req.kv_len])
         self.stats.tree_op_seconds += time.perf_counter() - t0
 
-    def _release(self, req: Req) -> None:
+    def release(self, req: Req) -> None:
         """Request done (or retracted/aborted): its KV goes to the tree, its slot row is freed."""
         if req.req_pool_idx is None:
             return
@@ -791,15 +872,6 @@ class Scheduler:
 def run_scheduler_process(server_args, ipc: dict, ready_conn) -> None:
     """Loads the model, then loops: drain requests from the tokenizer manager, step, send outputs on."""
     die_with_parent()  # SIGKILL with the server process; SIGINT ignored (see utils.die_with_parent)
-    import os
-    import pickle
-
-    import zmq
-
-    from ..model_loader.loader import load_model_assets
-    from ..sampling_params import SamplingParams
-    from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, SchedulerReady, TokenizedGenerateReq, TokenOut
-
     logging.basicConfig(level=server_args.log_level.upper(), format="[scheduler] %(levelname)s %(message)s")
     try:
         model_dir, config, tokenizer = load_model_assets(server_args)
@@ -807,105 +879,65 @@ def run_scheduler_process(server_args, ipc: dict, ready_conn) -> None:
     except BaseException as e:  # noqa: BLE001 - report start-up failure to the parent, then exit
         ready_conn.send(SchedulerFailed(f"{type(e).__name__}: {e}"))
         raise SystemExit(1)
-    ctx = zmq.Context()
-    recv = ctx.socket(zmq.PULL)
-    recv.bind(ipc["scheduler_input"])
-    send = ctx.socket(zmq.PUSH)
-    send.connect(ipc["detokenizer_input"])
-    ready_conn.send(SchedulerReady({
-        "model_dir": model_dir,
-        "context_len": sched.context_len,
-        "max_total_num_tokens": sched.max_total_num_tokens,
-        "vocab_size": sched.model_runner.vocab_size,
-        "max_running_requests": server_args.max_running_requests,
-        "device": sched.device,
-        "dtype": str(sched.model_runner.dtype).replace("torch.", ""),
-        "pid": os.getpid(),
-        "eos_token_ids": sorted(sched.eos_token_ids),
-    }))
-    sent: dict[str, list[int]] = {}  # rid -> [ids sent, input logprobs sent, output logprobs sent]
-    parent = os.getppid()
+    SchedulerProcess(sched, ipc).serve(ready_conn, model_dir)
 
-    def emit(req: Req) -> None:
-        marks = sent.setdefault(req.rid, [0, 0, 0])
-        finished = req.finished()
-        if not (finished or req.stream):
-            return
-        meta = {
-            "prompt_tokens": len(req.origin_input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
+
+class SchedulerProcess:
+    """The server's driving loop around a ``Scheduler``: ZMQ in (requests, aborts, controls), one
+    ``BatchTokenOut`` per step out to the detokenizer."""
+
+    def __init__(self, sched: Scheduler, ipc: dict):
+        self.sched = sched
+        self.ctx = zmq.Context()
+        self.recv = self.ctx.socket(zmq.PULL)
+        self.recv.bind(ipc["scheduler_input"])
+        self.send = self.ctx.socket(zmq.PUSH)
+        self.send.connect(ipc["detokenizer_input"])
+        self.outputs = OutputCollector()
+
+    def ready_info(self, model_dir: str) -> dict:
+        sched = self.sched
+        return {
+            "model_dir": model_dir,
+            "context_len": sched.context_len,
+            "max_total_num_tokens": sched.max_total_num_tokens,
+            "vocab_size": sched.model_runner.vocab_size,
+            "max_running_requests": sched.server_args.max_running_requests,
+            "device": sched.device,
+            "dtype": str(sched.model_runner.dtype).replace("torch.", ""),
+            "pid": os.getpid(),
+            "eos_token_ids": sorted(sched.eos_token_ids),
         }
-        if req.return_logprob:
-            meta["input_token_logprobs"] = req.input_token_logprobs[marks[1]:]
-            meta["output_token_logprobs"] = req.output_token_logprobs[marks[2]:]
-            if req.top_logprobs_num:
-                meta["input_top_logprobs"] = req.input_top_logprobs[marks[1]:]
-                meta["output_top_logprobs"] = req.output_top_logprobs[marks[2]:]
-        sp = req.sampling_params
-        detok = None
-        if marks == [0, 0, 0]:
-            detok = {"skip_special_tokens": sp.skip_special_tokens,
-                     "spaces_between_special_tokens": sp.spaces_between_special_tokens,
-                     "stop": sp.stop, "no_stop_trim": sp.no_stop_trim}
-        keep = min(marks[0], req.output_ids_rewritten_from)  # jump-forward may have re-tokenized a tail
-        req.output_ids_rewritten_from = 1 << 62
-        out = TokenOut(req.rid, req.output_ids[keep:], req.finished_reason, meta, req.stream, detok, keep)
-        marks[:] = [len(req.output_ids), len(req.input_token_logprobs), len(req.output_token_logprobs)]
-        if finished:
-            sent.pop(req.rid, None)
-        send.send_pyobj(out)
 
-    def handle(msg) -> None:
-        if isinstance(msg, TokenizedGenerateReq):
+    def serve(self, ready_conn, model_dir: str) -> None:
+        ready_conn.send(SchedulerReady(self.ready_info(model_dir)))
+        parent = os.getppid()
+        poller = zmq.Poller()
+        poller.register(self.recv, zmq.POLLIN)
+        while True:
+            if poller.poll(0 if self.sched.has_work() else 1000):
+                self.drain_inbox()
+            elif os.getppid() != parent:
+                return  # the server process is gone: do not linger as an orphan
+            batch = self.outputs.collect(self.sched.run_iteration())
+            if batch is not None:
+                self.send.send_pyobj(batch)
+
+    def drain_inbox(self) -> None:
+        while True:
             try:
-                sp = SamplingParams.from_dict(msg.sampling_params)
-                sp.verify(sched.model_runner.vocab_size)
-                sp.normalize(tokenizer)
-                req = Req(msg.rid, msg.input_ids, sp, msg.return_logprob, msg.logprob_start_len,
-                          msg.top_logprobs_num, msg.extra_key, msg.stream, msg.mm_inputs)
-            except Exception as e:  # noqa: BLE001 - one bad request fails alone; the loop keeps serving
-                logger.warning("rejected request %s: %s", msg.rid, e)
-                req = Req(msg.rid, msg.input_ids or [0], SamplingParams(max_new_tokens=0))
-                req.finished_reason = finish_abort(f"invalid request: {e}")
-                emit(req)
+                msg = self.recv.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
                 return
-            sched.add_request(req)
-        elif isinstance(msg, AbortReq):
-            req = sched.abort_request(msg.rid)
-            if req is not None:
-                emit(req)
-        elif isinstance(msg, ControlReq):
-            if msg.kind == "flush_cache":
-                result = sched.flush_cache()
-            elif msg.kind == "get_stats":
-                result = sched.get_stats()
-            elif msg.kind == "check_pool":
-                try:
-                    sched.check_pool_whole()
-                    result = None
-                except PoolNotWholeError as e:
-                    result = str(e)
-            else:
-                result = {"error": f"unknown control {msg.kind!r}"}
-            send.send_pyobj(ControlOut(msg.req_id, result))
+            except pickle.UnpicklingError:
+                logger.exception("dropping an unreadable message")
+                continue
+            self.handle(msg)
 
-    poller = zmq.Poller()
-    poller.register(recv, zmq.POLLIN)
-    while True:
-        timeout = 0 if sched.has_work() else 1000
-        if poller.poll(timeout):
-            while True:
-                try:
-                    msg = recv.recv_pyobj(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except pickle.UnpicklingError:
-                    logger.exception("dropping an unreadable message")
-                    continue
-                handle(msg)
-        elif os.getppid() != parent:
-            return  # the server process is gone: do not linger as an orphan
-        if sched.has_work():
-            for req in sched.step():
-                emit(req)
+    def handle(self, msg) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            self.sched.add_tokenized(msg)
+        elif isinstance(msg, AbortReq):
+            self.sched.handle_control("abort", msg.rid)
+        elif isinstance(msg, ControlReq):
+            self.send.send_pyobj(ControlOut(msg.req_id, self.sched.handle_control(msg.kind)))

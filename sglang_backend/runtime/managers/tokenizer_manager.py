@@ -16,24 +16,17 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import zmq
 import zmq.asyncio
 
 from ... import environ
-from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, StrOut, TokenizedGenerateReq
-from .validation import (
-    ModelLimits,
-    check_grammar,
-    check_input_ids,
-    check_logprob_args,
-    check_rid,
-    check_text,
-    check_total_length,
-    parse_sampling_params,
-)
+from .io_struct import AbortReq, BatchStrOut, ControlOut, ControlReq, SchedulerFailed
+from .request_frontend import GenerateInput, RequestFrontend, RequestState
+from .validation import ModelLimits, check_rid
+
+__all__ = ["GenerateInput", "Overloaded", "RequestFailed", "RequestState", "ServerUnavailable", "TokenizerManager"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,38 +48,6 @@ class RequestFailed(RuntimeError):
     def __init__(self, message: str, status: int = 500):
         super().__init__(message)
         self.status = status
-
-
-@dataclass
-class RequestState:
-    rid: str
-    queue: asyncio.Queue
-    stream: bool
-    created: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    meta: dict = field(default_factory=dict)
-
-
-@dataclass
-class GenerateInput:
-    """One prompt, tokenized and validated."""
-
-    rid: str
-    input_ids: list[int]
-    sampling_params: dict
-    stream: bool = False
-    return_logprob: bool = False
-    logprob_start_len: int | None = None
-    top_logprobs_num: int = 0
-    extra_key: object = None
-    mm_inputs: object = None  # multimodal.MultimodalInputs for requests with images
-    # The id a client gave (shown back to it, usable in /abort_request) and who sent it. ``rid`` itself is
-    # always generated here, so no client can pick, guess or collide with another client's request id.
-    client_rid: str | None = None
-    owner: str = ""
-    reservation: object = None  # its place in the bounded queue until generate() starts (see check_capacity)
 
 
 class TokenizerManager:
@@ -118,6 +79,7 @@ class TokenizerManager:
             raise
 
     def _launch(self) -> None:
+        # Deferred: torch and the model code load only when a server starts, not wherever this module is imported.
         from ..model_loader.loader import load_model_assets
         from ..multimodal.processor import MultimodalProcessor
         from .detokenizer_manager import run_detokenizer_process
@@ -155,13 +117,15 @@ class TokenizerManager:
         self.send = self.zmq_ctx.socket(zmq.PUSH)
         self.send.connect(ipc["scheduler_input"])
         self._grammar_cache = None
+        self.frontend = RequestFrontend(self.tokenizer, self.limits, self.mm_processor, lambda: self.grammar_cache,
+                                        self.tokenizer_lock)
 
     @property
     def grammar_cache(self):
         """Same cache key as the scheduler's (vocab, EOS ids), so its disk cache serves both processes."""
         with self.tokenizer_lock:  # built once (it reads the vocabulary), by whichever preparing thread comes first
             if self._grammar_cache is None:
-                from ..constrained import GrammarCache
+                from ..constrained import GrammarCache  # deferred: only servers that see a grammar build one
 
                 sa = self.server_args
                 self._grammar_cache = GrammarCache(
@@ -228,52 +192,31 @@ class TokenizerManager:
                 if fut is not None and not fut.done():
                     fut.set_result(msg.result)
                 continue
-            if not isinstance(msg, StrOut):
+            if not isinstance(msg, BatchStrOut):
                 logger.error("dropping an unexpected message %r", type(msg).__name__)
                 continue
-            state = self.rid_to_state.get(msg.rid)
-            if state is None:
-                continue  # the client went away
-            state.queue.put_nowait(msg)
+            for out in msg.outputs:
+                state = self.rid_to_state.get(out.rid)
+                if state is not None:  # else the client went away
+                    state.queue.put_nowait(out)
 
     # Requests ---------------------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # Requests are prepared on several threads; one tokenizer call at a time (HF fast tokenizers may
-        # reconfigure their Rust state per call, which fails when another thread is inside it).
-        with self.tokenizer_lock:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.frontend.tokenize(text, add_special_tokens)
 
-    def prepare(self, *, text: str | None = None, input_ids: list[int] | None = None, sampling_params: dict | None = None,
-                rid: str | None = None, stream: bool = False, return_logprob: bool = False,
-                logprob_start_len: int | None = None, top_logprobs_num: int | None = 0, extra_key=None,
-                image_data=None, add_special_tokens: bool = True, owner: str = "",
-                cancel: threading.Event | None = None) -> GenerateInput:
-        """Tokenizes and validates one prompt; raises ValueError with the reason. Thread-safe (the server prepares
-        requests on several threads); setting ``cancel`` stops a grammar compilation in progress."""
+    def prepare(self, *, rid: str | None = None, owner: str = "", **kwargs) -> GenerateInput:
+        """Tokenizes and validates one prompt (``RequestFrontend.prepare`` takes the other arguments: text or
+        input_ids, sampling_params, stream, return_logprob, logprob_start_len, top_logprobs_num, extra_key,
+        image_data, add_special_tokens, cancel); raises ValueError with the reason. Thread-safe (the server
+        prepares requests on several threads). ``rid`` is the client's id, unique per ``owner``."""
         if self.dead_reason is not None:
             raise ServerUnavailable(self.dead_reason)
-        if (text is None) == (input_ids is None):
-            raise ValueError("give exactly one of text or input_ids")
         check_rid(rid)
         if rid is not None and (owner, rid) in self.client_rids:
             raise ValueError(f"request id {rid!r} is already in use")
-        if text is not None:
-            check_text(text, self.limits)
-        ids = self.tokenize(text, add_special_tokens) if text is not None else list(input_ids)
-        check_input_ids(ids, self.limits)
-        mm_inputs = None
-        if image_data is not None:
-            if self.mm_processor is None:
-                raise ValueError("image_data was given, but this model takes no images")
-            ids, mm_inputs = self.mm_processor.expand(ids, image_data, self.limits.context_len,
-                                                      self.limits.max_total_num_tokens, return_logprob, logprob_start_len)
-        with self.tokenizer_lock:  # stop strings are tokenized
-            sp = parse_sampling_params(sampling_params, self.limits, self.tokenizer)
-        check_total_length(len(ids), sampling_params, sp, self.limits)
-        check_grammar(sp, self.grammar_cache, cancel)
-        check_logprob_args(len(ids), logprob_start_len, top_logprobs_num)
-        return GenerateInput(uuid.uuid4().hex, ids, dict(sampling_params or {}), stream, return_logprob,
-                             logprob_start_len, int(top_logprobs_num or 0), extra_key, mm_inputs, rid, owner)
+        gi = self.frontend.prepare(uuid.uuid4().hex, **kwargs)
+        gi.client_rid, gi.owner = rid, owner
+        return gi
 
     def check_capacity(self, gis: list[GenerateInput]) -> None:
         """Bounded queue: running slots plus max_queued_requests waiting; beyond that, refuse. Admitted requests
@@ -307,9 +250,7 @@ class TokenizerManager:
         client_key = (gi.owner, gi.client_rid)
         if gi.client_rid is not None:
             self.client_rids.setdefault(client_key, gi.rid)  # a racing duplicate runs under its own id only
-        start = gi.logprob_start_len if gi.logprob_start_len is not None else -1
-        self.send.send_pyobj(TokenizedGenerateReq(gi.rid, gi.input_ids, gi.sampling_params, gi.return_logprob, start,
-                                                  gi.top_logprobs_num, gi.stream, gi.extra_key, gi.mm_inputs))
+        self.send.send_pyobj(gi.tokenized())
         finished = False
         try:
             timeout = self.server_args.request_timeout
@@ -330,12 +271,12 @@ class TokenizerManager:
                     # there; needed when the detokenizer failed it).
                     raise RequestFailed(fr.get("message", "internal error"), fr["status_code"])
                 finished = msg.finished_reason is not None
-                self._merge(state, msg)
+                state.merge(msg)
                 if state.first_token_time is None and msg.output_ids:
                     state.first_token_time = time.monotonic()
                     if self.metrics:
                         self.metrics.observe_ttft(state.first_token_time - state.created)
-                yield self._result(state, msg.text if gi.stream else state.text, msg.finished_reason)
+                yield state.result(msg.text if gi.stream else state.text, msg.finished_reason)
                 if finished:
                     if self.metrics:
                         self.metrics.observe_finished(state)
@@ -349,24 +290,6 @@ class TokenizerManager:
             if not finished and self.dead_reason is None:
                 # Client disconnected (or cancelled): free its KV now.
                 self.send.send_pyobj(AbortReq(gi.rid))
-
-    def _merge(self, state: RequestState, msg: StrOut) -> None:
-        if msg.keep_len is not None:
-            del state.output_ids[msg.keep_len:]
-        state.output_ids.extend(msg.output_ids)
-        state.text = msg.text if not state.stream else state.text + msg.text
-        for key, value in msg.meta.items():
-            if isinstance(value, list):
-                state.meta.setdefault(key, []).extend(value)
-            else:
-                state.meta[key] = value
-
-    def _result(self, state: RequestState, text: str, finish_reason) -> dict:
-        meta = dict(state.meta)
-        meta["id"] = state.rid
-        meta["finish_reason"] = finish_reason
-        meta["e2e_latency"] = time.monotonic() - state.created
-        return {"text": text, "output_ids": list(state.output_ids), "meta_info": meta}
 
     def abort(self, rid: str, owner: str = "") -> bool:
         """Aborts the caller's own request, named by the id it gave or the id the server returned. Another
