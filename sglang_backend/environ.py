@@ -3,8 +3,10 @@
 
 Operators tune the server with ``ServerArgs`` flags. What is left here is where an environment variable is the
 right channel: locations and conventions shared with other tools (caches, ``HF_HUB_OFFLINE``,
-``CUDA_VISIBLE_DEVICES``), switches for tests and debugging (fault injection, profiles), and kernel choices
-made at import time on the GPU path (to become ``ServerArgs`` flags with the single model forward, issue 22).
+``CUDA_VISIBLE_DEVICES``, ``TRITON_INTERPRET``) and switches for tests and debugging (fault injection,
+profiles). GPU kernel choices are ``ServerArgs`` flags (``--gemv-mode``, ``--disable-fused-ops``,
+``--disable-pdl``, ``--attention-merge``, ``--kernel-config``), handed to the kernels as
+``layers.kernel_options.KernelOptions``.
 Each variable is read when ``get()`` is called, never cached, so a test can set it for one call.
 """
 
@@ -62,14 +64,6 @@ FAULT_INJECTION = EnvVar[str | None]("SGLANG_BACKEND_FAULT_INJECTION", None,
 TP_PROFILE = EnvVar[str | None]("SGLANG_BACKEND_TP_PROFILE", None,
                                 "Path prefix: each TP follower writes a cProfile of its step loop there at exit")
 TP_STATS = EnvVar[bool]("SGLANG_BACKEND_TP_STATS", False, "TP followers print their step statistics at exit")
-
-# GPU kernel choices ----------------------------------------------------------------------------------------------
-GEMV = EnvVar[str | None]("SGLANG_BACKEND_GEMV", None,
-                          "Batch-1 decode GEMV: off, on, fused or fused_rope (default: fused_rope on Hopper)")
-PDL = EnvVar[bool]("SGLANG_BACKEND_PDL", True, "Programmatic dependent launch on Hopper")
-FUSED_MERGE = EnvVar[bool]("SGLANG_BACKEND_FUSED_MERGE", True, "Cascade decode: merge the two attention parts in one kernel")
-DISABLE_FUSED_OPS = EnvVar[bool]("SGLANG_BACKEND_DISABLE_FUSED_OPS", False,
-                                 "GPU: plain torch modules instead of the fused Llama executor (ablation)")
 
 REGISTRY = {v.name: v for v in list(globals().values()) if isinstance(v, EnvVar)}
 

@@ -11,6 +11,8 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+GEMV_MODES = ("auto", "off", "on", "fused", "fused_rope")  # resolved by layers/kernel_options.py
+ATTENTION_MERGES = ("fused", "stage2")
 
 
 @dataclass
@@ -50,6 +52,11 @@ class ServerArgs:
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "GPU: do not overlap the host work of a decode step with the next step's GPU work"})
     disable_cascade_attention: bool = field(default=False, metadata={"help": "Triton decode: attend each request's whole KV, not the batch's shared prefix once"})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model over this many GPUs (or CPU processes, gloo)"})
+    disable_fused_ops: bool = field(default=False, metadata={"help": "GPU: the plain torch reference modules instead of the fused Triton kernels in the layers (RMSNorm + residual add, rotary + KV store, SiLU-mul, batch-1 GEMV); ablation"})
+    gemv_mode: str = field(default="auto", metadata={"help": "GPU, one-token batches: off (cuBLAS), on (Triton GEMV), fused (norm prologue, SiLU-mul / residual-add epilogues), fused_rope (fused + rotary and KV store in the qkv GEMV); auto: fused_rope on Hopper and newer, else off", "choices": GEMV_MODES})
+    disable_pdl: bool = field(default=False, metadata={"help": "GPU: no programmatic dependent launch (it is used on Hopper and newer when Triton supports it)"})
+    attention_merge: str = field(default="fused", metadata={"help": "Triton decode attention: merge the sequence splits in stage 1 (fused) or in a separate stage-2 kernel", "choices": ATTENTION_MERGES})
+    kernel_config: str | None = field(default=None, metadata={"help": "JSON file of tuned kernel launch configurations (default: the GPU model's file in layers/attention/triton_ops/configs/ if there is one, else the built-in values)"})
     check_pool_on_idle: bool = field(default=False, metadata={"help": "Raise if the KV pool is not whole when idle (tests)"})
 
     # Server
@@ -79,6 +86,12 @@ class ServerArgs:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.gemv_mode not in GEMV_MODES:
+            raise ValueError(f"gemv_mode must be one of {GEMV_MODES}, got {self.gemv_mode!r}")
+        if self.attention_merge not in ATTENTION_MERGES:
+            raise ValueError(f"attention_merge must be one of {ATTENTION_MERGES}, got {self.attention_merge!r}")
+        if self.disable_fused_ops and self.gemv_mode not in ("auto", "off"):
+            raise ValueError(f"gemv_mode {self.gemv_mode!r} needs the fused kernels: drop disable_fused_ops")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.max_running_requests < 1:

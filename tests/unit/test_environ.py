@@ -54,18 +54,28 @@ def test_every_package_variable_is_registered():
 
 
 def test_values_are_parsed_when_read(monkeypatch):
-    monkeypatch.delenv("SGLANG_BACKEND_PDL", raising=False)
-    assert environ.PDL.get() is True
+    monkeypatch.delenv("SGLANG_BACKEND_TP_STATS", raising=False)
+    assert environ.TP_STATS.get() is False
     for off in ("0", "false", "no", "off", ""):
-        monkeypatch.setenv("SGLANG_BACKEND_PDL", off)
-        assert environ.PDL.get() is False
-    monkeypatch.setenv("SGLANG_BACKEND_PDL", "1")
-    assert environ.PDL.get() is True
+        monkeypatch.setenv("SGLANG_BACKEND_TP_STATS", off)
+        assert environ.TP_STATS.get() is False
+    monkeypatch.setenv("SGLANG_BACKEND_TP_STATS", "1")
+    assert environ.TP_STATS.get() is True
     monkeypatch.setenv("SGLANG_BACKEND_TP_TIMEOUT_S", "12.5")
     assert environ.TP_TIMEOUT_S.get() == 12.5
     monkeypatch.setenv("SGLANG_BACKEND_TP_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="SGLANG_BACKEND_TP_TIMEOUT_S='soon': expected a number"):
         environ.TP_TIMEOUT_S.get()
-    monkeypatch.setenv("SGLANG_BACKEND_GEMV", "fused")
-    assert environ.GEMV.get() == "fused"
+    monkeypatch.setenv("SGLANG_BACKEND_TP_PROFILE", "/tmp/prof")
+    assert environ.TP_PROFILE.get() == "/tmp/prof"
     assert environ.child_env(EXTRA="1")["EXTRA"] == "1"
+
+
+def test_kernel_choices_are_server_args_not_environment():
+    """GPU kernel choices are ServerArgs flags handed to the kernels (issue 22), not environment variables."""
+    from sglang_backend.runtime.server_args import ServerArgs
+
+    for gone in ("GEMV", "PDL", "FUSED_MERGE", "DISABLE_FUSED_OPS"):
+        assert f"SGLANG_BACKEND_{gone}" not in environ.REGISTRY and not hasattr(environ, gone)
+    fields = set(ServerArgs.__dataclass_fields__)
+    assert {"gemv_mode", "disable_fused_ops", "disable_pdl", "attention_merge", "kernel_config"} <= fields

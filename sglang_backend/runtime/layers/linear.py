@@ -11,6 +11,11 @@ Each layer holds only this rank's shard and knows how to cut it from a full (uns
 * Row-parallel: input features split; the partial products are summed with one all-reduce.
 * Vocab-parallel: rows of the embedding split by token id (padded to a multiple of tp_size); out-of-shard
   ids give zeros and the all-reduce adds the one real row. The LM head gathers the logit columns.
+
+On the GPU a one-token input takes the Triton GEMV when the batch's kernel options say so (``opts.gemv_mode``):
+``forward(x, opts)`` picks it by itself. The fused GEMV forms serve a decoder layer at batch 1:
+``ColumnParallelLinear.norm_gemv`` folds the RMSNorm before it into its prologue (and SiLU-mul or rotary + KV
+store into its epilogue), ``RowParallelLinear.add_into`` the residual add after it into its epilogue.
 """
 
 from __future__ import annotations
@@ -20,6 +25,12 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size, split_evenly
+from .kernel_options import KernelOptions
+
+try:  # optional: triton (the GPU GEMV)
+    from .attention.triton_ops.gemv import gemv
+except ImportError:
+    gemv = None
 
 
 def _check_shape(full: torch.Tensor, expected: tuple) -> None:
@@ -33,6 +44,19 @@ class ColumnParallelLinear(nn.Linear):
     def __init__(self, in_features: int, parts: list[tuple[int, int, int]], bias: bool):
         super().__init__(in_features, sum(n for _, _, n in parts), bias=bias)
         self.parts = parts
+
+    def forward(self, x: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
+        if opts is not None and opts.use_gemv(x):
+            return gemv(x, self.weight, self.bias, configs=opts.configs, pdl=opts.pdl)
+        return super().forward(x)
+
+    def norm_gemv(self, residual: torch.Tensor, norm, opts: KernelOptions, silu_mul: bool = False,
+                  rope=None) -> torch.Tensor:
+        """One token: ``self(norm(residual))`` in one GEMV (the RMSNorm in its prologue, same roundings as
+        the norm kernel); ``silu_mul``: this is a [gate; up] projection and the output is silu(gate) * up;
+        ``rope`` (gemv.RopeStore): this is the qkv projection, q and k come out rotated, k and v stored."""
+        return gemv(residual, self.weight, self.bias, norm_weight=norm.weight, eps=norm.eps, silu_mul=silu_mul,
+                    rope=rope, configs=opts.configs, pdl=opts.pdl)
 
     @classmethod
     def even(cls, in_features: int, sizes: list[int], bias: bool, what: str) -> "ColumnParallelLinear":
@@ -65,11 +89,24 @@ class RowParallelLinear(nn.Linear):
         self.in_start = get_tp_rank() * local
         self.full_in = in_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+    def forward(self, x: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
+        if opts is not None and opts.use_gemv(x):
+            if self.tp_size == 1:
+                return gemv(x, self.weight, self.bias, configs=opts.configs, pdl=opts.pdl)
+            out = all_reduce(gemv(x, self.weight, configs=opts.configs, pdl=opts.pdl))
+        elif self.tp_size == 1:
             return super().forward(x)
-        out = all_reduce(F.linear(x, self.weight))
+        else:
+            out = all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias  # the bias once, after the sum
+
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor, opts: KernelOptions) -> None:
+        """One token: ``residual += self(x)`` in place, the add in the GEMV's epilogue (rounded as
+        ``residual + out``) unless the output must be all-reduced first."""
+        if self.tp_size > 1:
+            residual.add_(self.forward(x, opts))
+        else:
+            gemv(x, self.weight, self.bias, residual=residual, configs=opts.configs, pdl=opts.pdl)
 
     def full_shape(self, param: torch.Tensor) -> tuple:
         return tuple(param.shape) if param is self.bias else (param.shape[0], self.full_in)
@@ -109,9 +146,13 @@ class VocabParallelEmbedding(nn.Embedding):
         param[n:].zero_()  # padding rows (vocab not divisible by tp_size): their logits are cut off
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
+                          opts: KernelOptions | None = None) -> torch.Tensor:
     """hidden @ weight.T over the full vocabulary, from this rank's vocab rows of ``weight``."""
-    logits = F.linear(hidden, weight)
+    if opts is not None and opts.use_gemv(hidden):
+        logits = gemv(hidden.contiguous(), weight, configs=opts.configs, pdl=opts.pdl)
+    else:
+        logits = F.linear(hidden, weight)
     if get_tp_size() == 1:
         return logits
     return all_gather_last_dim(logits)[..., :vocab_size]

@@ -1,9 +1,29 @@
+"""One attention layer over the paged KV pool: rotary on the new tokens' q and k, their K/V into the pool, then
+the batch's attention backend.
+
+With fused kernels on (the batch's kernel options, CUDA) rotary and the KV store are one Triton kernel, in place
+on the qkv projection's output, when the backend lets the model store K/V itself
+(``AttentionBackend.supports_fused_kv_store``); else rotary alone and the backend stores. At batch 1 with the
+``fused_rope`` GEMV mode the qkv GEMV does both in its epilogue (``rope_store``; the layer is then told
+``rotated``).
+"""
+
+from __future__ import annotations
+
+import torch
 from torch import nn
+
+from .kernel_options import DEFAULT_OPTIONS
+from .rotary_embedding import RopeBatch, apply_rotary
+
+try:  # optional: triton (the fused GPU kernels)
+    from .attention.triton_ops.fused_ops import rope_and_store_kv
+    from .attention.triton_ops.gemv import RopeStore
+except ImportError:
+    rope_and_store_kv = RopeStore = None
 
 
 class RadixAttention(nn.Module):
-    """One attention layer's identity; the batch's attention backend does the work over the paged KV pool."""
-
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int):
         super().__init__()
         self.num_heads = num_heads
@@ -11,6 +31,36 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.num_kv_heads = num_kv_heads
         self.layer_id = layer_id
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
 
-    def forward(self, q, k, v, forward_batch):
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+    def forward(self, q, k, v, forward_batch, save_kv: bool = True):
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv)
+
+    def _kv_store(self, fb) -> tuple:
+        """Where the fused kernels write this layer's new K/V: (slots, K buffer, V buffer)."""
+        pool = fb.token_to_kv_pool
+        return fb.out_cache_loc, pool.get_key_buffer(self.layer_id), pool.get_value_buffer(self.layer_id)
+
+    def rope_store(self, rope: RopeBatch, fb):
+        """For the qkv GEMV of one token: rotary + KV store in its epilogue (gemv.RopeStore), or None where the
+        backend stores K/V itself."""
+        if not fb.attn_backend.supports_fused_kv_store:
+            return None
+        return RopeStore(rope.positions, rope.table, self.num_heads, self.num_kv_heads, self.head_dim,
+                         *self._kv_store(fb))
+
+    def forward_qkv(self, qkv: torch.Tensor, rope: RopeBatch, fb, rotated: bool = False) -> torch.Tensor:
+        """qkv: [T, q_size + 2 * kv_size], the fused projection's output -> attention output [T, q_size]."""
+        if rope.table is None:  # the reference: torch rotary, the backend stores K/V
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(q.reshape(-1, self.num_heads, self.head_dim), rope.cos, rope.sin).reshape(-1, self.q_size)
+            k = apply_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), rope.cos, rope.sin).reshape(-1, self.kv_size)
+            return self(q, k, v, fb)
+        store = fb.attn_backend.supports_fused_kv_store
+        if not rotated:
+            opts = fb.kernel_options or DEFAULT_OPTIONS
+            rope_and_store_kv(qkv, rope.positions, rope.table, self.num_heads, self.num_kv_heads, self.head_dim,
+                              *(self._kv_store(fb) if store else ()), pdl=opts.pdl)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self(q, k, v, fb, save_kv=not store)

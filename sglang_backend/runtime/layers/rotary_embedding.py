@@ -6,8 +6,20 @@ yarn, longrope) scales exactly as the HF reference does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+
+@dataclass
+class RopeBatch:
+    """Rotary inputs of one batch: the reference path's ``cos``/``sin`` rows [T, D] in the activations' dtype,
+    or (fused kernels) the fp32 ``table`` [max_positions, D] (cos in the first D/2 columns, sin in the last)."""
+    positions: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    table: torch.Tensor | None = None
 
 
 def rope_parameters(config) -> dict:
@@ -31,13 +43,32 @@ class RotaryEmbedding(nn.Module):
         elif rope_type == "dynamic":
             raise NotImplementedError("dynamic NTK rope scaling depends on the running length; not supported yet")
         else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # deferred: heavy, rarely needed
 
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise NotImplementedError(f"rope type {rope_type!r} is not supported")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = float(scaling)
+        self._table: torch.Tensor | None = None  # the fused kernels' cos|sin table (not a buffer: stays fp32)
+
+    def for_batch(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool, max_positions: int) -> RopeBatch:
+        if fused:
+            return RopeBatch(positions, table=self.table(max_positions, positions.device))
+        cos, sin = self.cos_sin(positions, dtype)
+        return RopeBatch(positions, cos, sin)
+
+    def table(self, max_positions: int, device) -> torch.Tensor:
+        """cos | sin (times the rope scaling) of positions 0 .. max_positions - 1, fp32, built once per device
+        with the same fp32 arithmetic as ``cos_sin`` (positions.float() * inv_freq)."""
+        t = self._table
+        if t is None or t.shape[0] < max_positions or t.device != torch.device(device):
+            inv_freq = self.inv_freq.to(device=device, dtype=torch.float32)
+            pos = torch.arange(max_positions, device=device, dtype=torch.float32)
+            freqs = pos[:, None] * inv_freq[None, :]
+            scale = self.attention_scaling
+            t = self._table = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).contiguous()
+        return t
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]

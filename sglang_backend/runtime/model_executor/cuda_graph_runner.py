@@ -1,7 +1,8 @@
 """CUDA graphs for the decode step.
 
-For each batch size in ``capture_bs`` the whole decode forward (embedding, all layers, final norm, lm_head,
-fp32 logits) is captured once over static input buffers. A step of batch size ``bs`` copies its five index
+For each batch size in ``capture_bs`` the whole decode forward (the model's own forward with the runner's kernel
+options: embedding, all layers, final norm, lm_head, fp32 logits) is captured once over static input buffers.
+Changing the kernel options means capturing again (``ModelRunner.set_kernel_options``). A step of batch size ``bs`` copies its five index
 tensors into the first ``bs`` rows of those buffers, resets the padding rows (token 0 at position 0 writing
 its KV into the reserved padding slot 0, reading one token of request row 0), replays the graph of the next
 captured size and returns the first ``bs`` rows of its logits. Per step that is ~10 tiny copies and one
@@ -67,6 +68,7 @@ class CudaGraphRunner:
         fb.req_to_token_pool = self.mr.req_to_token_pool
         fb.token_to_kv_pool = self.mr.token_to_kv_pool
         fb.attn_backend = self.mr.attn_backend
+        fb.kernel_options = self.mr.kernel_options
         return fb
 
     @torch.inference_mode()
@@ -114,8 +116,8 @@ class CudaGraphRunner:
             self.req_pool_indices[bs:pbs].zero_()
             self.seq_lens[bs:pbs].fill_(1)
         key = (pbs, fb.shared_first_slot) if (pbs, fb.shared_first_slot) in self.graphs else (pbs, False)
-        update = getattr(self.mr.attn_backend, "update_shared_prefix", None)
-        if update is not None:  # cascade decode: the graph reads the batch's shared prefix length
-            update(self.mr.req_to_token_pool, self.req_pool_indices[:bs], fb.seq_lens_cpu, pbs, key[1])
+        # Cascade decode: the graph reads the batch's shared prefix length.
+        self.mr.attn_backend.update_shared_prefix(self.mr.req_to_token_pool, self.req_pool_indices[:bs],
+                                                  fb.seq_lens_cpu, pbs, key[1])
         self.graphs[key].replay()
         return self.outputs[key][:bs]

@@ -42,6 +42,7 @@ class ForwardBatch:
     req_to_token_pool: object = None
     token_to_kv_pool: object = None
     attn_backend: object = None
+    kernel_options: object = None  # layers.kernel_options.KernelOptions: which kernels the layers run
 
     @property
     def batch_size(self) -> int:

@@ -6,11 +6,14 @@ import logging
 
 import torch
 
-from ... import environ
 from ..mem_cache.memory_pool import MHATokenToKVPool, MirroredReqToTokenPool, ReqToTokenPool, TokenToKVPoolAllocator
+from ..distributed.followers import ReqToTokenWriteLog, TPFollowers, release_graphs
 from ..distributed.parallel_state import all_reduce_min, check_tp_config, kv_head_range, split_evenly
-from ..models.llama import head_dim_of
+from ..layers.kernel_options import KernelOptions
+from ..model_loader.loader import iterate_weights
+from ..models.llama import LlamaForCausalLM, head_dim_of
 from ..models.registry import get_model_class
+from .cuda_graph_runner import CudaGraphRunner
 from .forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ class ModelRunner:
             self._init_tensor_parallel()
         self.context_len = server_args.context_length or int(getattr(self.text_config, "max_position_embeddings", 2048))
         self.vocab_size = self.text_config.vocab_size
+        self.kernel_options = KernelOptions.resolve(server_args, self.device)  # the kernels the layers run
         try:
             self._load_model(model_dir)
             self._init_memory_pools()
@@ -64,9 +68,6 @@ class ModelRunner:
     # Set-up ------------------------------------------------------------------------------------------------------
     def _init_tensor_parallel(self) -> None:
         """Rank r uses cuda:r; rank 0 launches ranks 1..N-1 (which joined the group before building theirs)."""
-        from ..distributed.tp_worker import TPFollowers
-        from ..models.llama import LlamaForCausalLM
-
         tp = self.server_args.tp_size
         if get_model_class(self.config) is not LlamaForCausalLM:
             raise ValueError("tp_size > 1 supports the Llama family (Llama, Mistral, Qwen2) only")
@@ -82,15 +83,11 @@ class ModelRunner:
     def shutdown(self, wait_s: float = 30) -> None:
         """Stops the other tensor-parallel ranks (rank 0 only; nothing to do at tp_size 1)."""
         if self.tp_followers is not None:
-            from ..distributed.tp_worker import release_graphs
-
             release_graphs(self)  # as the followers do: graphs first, then the communicators
             self.tp_followers.shutdown(wait_s)
             self.tp_followers = None
 
     def _load_model(self, model_dir: str | None) -> None:
-        from ..model_loader.loader import iterate_weights
-
         torch.manual_seed(self.server_args.random_seed)
         model_cls = get_model_class(self.config)
         if self.device == "cpu":
@@ -167,8 +164,6 @@ class ModelRunner:
         else:
             self.req_to_token_pool = ReqToTokenPool(sa.max_running_requests, self.context_len + 8, self.device)
         if self.tp_followers is not None:
-            from ..distributed.tp_worker import ReqToTokenWriteLog
-
             self.req_to_token_pool = ReqToTokenWriteLog(self.req_to_token_pool)  # replayed by the other ranks
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, sa.page_size, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(total, self.dtype, num_kv_heads, head_dim, cfg.num_hidden_layers,
@@ -181,47 +176,43 @@ class ModelRunner:
             logger.warning("attention backend %s needs a GPU; using torch_native on CPU", name)
             name = "torch_native"
         if name == "torch_native":
-            from ..layers.attention.torch_native import TorchNativeAttnBackend
+            from ..layers.attention.torch_native import TorchNativeAttnBackend  # each backend only when chosen
 
             self.attn_backend = TorchNativeAttnBackend()
         elif name == "triton":
-            from ..layers.attention.triton_backend import TritonAttnBackend
+            from ..layers.attention.triton_backend import TritonAttnBackend  # optional: triton
 
             self.attn_backend = TritonAttnBackend(self)
         else:
-            from ..layers.attention.flashinfer_backend import FlashInferAttnBackend
+            from ..layers.attention.flashinfer_backend import FlashInferAttnBackend  # optional: flashinfer
 
             self.attn_backend = FlashInferAttnBackend(self)
 
     def _init_gpu_fast_path(self) -> None:
-        """GPU: fused element-wise kernels for Llama-family models, and CUDA graphs for decode (triton backend)."""
-        self.executor = None
+        """GPU: CUDA graphs for decode, with backends that support them (triton). The fused kernels are chosen
+        inside the model's layers from ``self.kernel_options``."""
         self.graph_runner = None
         if self.device == "cpu":
             return
-        if not environ.DISABLE_FUSED_OPS.get():
-            try:
-                from ..layers.attention.triton_ops.fused_llama import FusedLlamaExecutor
-            except ImportError:  # no triton: plain torch modules
-                FusedLlamaExecutor = None
-            lm = getattr(self.model, "language_model", self.model)  # LLaVA: its Llama LM takes the fused path
-            if FusedLlamaExecutor is not None and FusedLlamaExecutor.supports(lm):
-                self.executor = FusedLlamaExecutor(lm, self.req_to_token_pool.max_context_len, self.device)
-        if not self.server_args.disable_cuda_graph and getattr(self.attn_backend, "supports_fused_kv_store", False):
-            from .cuda_graph_runner import CudaGraphRunner
-
+        if not self.server_args.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             self.graph_runner = CudaGraphRunner(self)
+
+    def set_kernel_options(self, options: KernelOptions, capture_bs: list[int] | None = None) -> None:
+        """Runs later batches with ``options`` (benchmarks compare kernel variants); CUDA graphs are captured
+        again, for ``capture_bs`` (default: the same batch sizes). The attention backend keeps the split-count
+        tuning it was built with (it sizes its scratch buffers)."""
+        self.kernel_options = options
+        if self.graph_runner is not None:
+            capture_bs = capture_bs or self.graph_runner.capture_bs
+            self.graph_runner = None  # its graphs' memory goes back before the new capture
+            self.graph_runner = CudaGraphRunner(self, capture_bs)
 
     # Forward ------------------------------------------------------------------------------------------------------
     def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
-        if self.executor is not None and fb.mm_inputs is None:  # image features enter through the model's own path
-            return self.executor(fb.input_ids, fb.positions, fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.executor is not None:
-            return self.executor.logits(hidden)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, self.kernel_options)
 
     def _logits_all_rows(self, fb: ForwardBatch) -> torch.Tensor:
         """Decode body captured by the CUDA graph runner: logits of every row, no host work."""
@@ -235,6 +226,7 @@ class ModelRunner:
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
+        fb.kernel_options = self.kernel_options
         sync = getattr(self.req_to_token_pool, "sync_to_device", None)
         if sync is not None:
             sync()

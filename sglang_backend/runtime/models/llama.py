@@ -2,6 +2,13 @@
 
 Our own modules, not HF's: tokens of many requests are packed into one flat [num_tokens, hidden] batch and
 attention goes through the batch's backend. Arithmetic follows HF's reference so greedy outputs match it.
+
+This is the only Llama forward, on the CPU and the GPU, eager and in CUDA graphs. The batch's kernel options
+(``ForwardBatch.kernel_options``, from ServerArgs) pick the kernels inside the layers: on the GPU with fused ops,
+RMSNorm adds the residual in the same Triton kernel, rotary and the KV store are one kernel in the attention
+layer, SiLU-mul one kernel, and one-token batches run their linears as Triton GEMVs, which in the "fused" GEMV
+modes also take in the norms and the residual adds (``LlamaDecoderLayer.forward_one_token``). Without them (CPU,
+--disable-fused-ops) every layer is the torch reference.
 """
 
 from __future__ import annotations
@@ -10,13 +17,14 @@ from typing import Iterable
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from ..distributed.parallel_state import get_tp_rank, kv_head_range, split_evenly
+from ..layers.activation import silu_and_mul
+from ..layers.kernel_options import KernelOptions
 from ..layers.layernorm import RMSNorm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 from ..layers.radix_attention import RadixAttention
-from ..layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from ..layers.rotary_embedding import RopeBatch, RotaryEmbedding
 
 
 def head_dim_of(config) -> int:
@@ -43,13 +51,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * D, config.hidden_size, bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2")
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
 
-    def forward(self, hidden, cos, sin, forward_batch):
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.reshape(-1, self.num_heads, self.head_dim), cos, sin).reshape(-1, self.q_size)
-        k = apply_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), cos, sin).reshape(-1, self.kv_size)
-        out = self.attn(q, k, v, forward_batch)
-        return self.o_proj(out)
+    def forward(self, hidden, rope: RopeBatch, forward_batch):
+        opts = forward_batch.kernel_options
+        out = self.attn.forward_qkv(self.qkv_proj(hidden, opts), rope, forward_batch)
+        return self.o_proj(out, opts)
 
 
 class LlamaMLP(nn.Module):
@@ -63,9 +68,8 @@ class LlamaMLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, opts: KernelOptions | None = None):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, opts), opts), opts)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,9 +80,36 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, forward_batch):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, forward_batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, rope: RopeBatch, forward_batch):
+        """The residual stream is carried apart from the layer outputs, so each norm can add the previous
+        output in (one kernel with fused ops). ``residual`` None: ``hidden`` is the embedding (first layer).
+        Returns (this layer's MLP output, residual stream before it); the next norm adds the two."""
+        opts = forward_batch.kernel_options
+        if opts is not None and opts.fused_gemv and opts.use_gemv(residual if hidden is None else hidden):
+            return None, self.forward_one_token(hidden if residual is None else residual, rope, forward_batch)
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden, opts=opts)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual, opts)
+        hidden = self.self_attn(hidden, rope, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, opts)
+        return self.mlp(hidden, opts), residual
+
+    def forward_one_token(self, residual, rope: RopeBatch, fb):
+        """One token, every linear a fused GEMV (GEMV modes "fused" and "fused_rope"): the norms in the qkv and
+        gate_up GEMVs' prologues, SiLU-mul in gate_up's epilogue, the residual adds in o_proj's and down_proj's
+        (``residual`` is updated in place and returned); "fused_rope" also folds rotary and the KV store into
+        the qkv GEMV. The same roundings as the separate kernels."""
+        opts = fb.kernel_options
+        attn, mlp = self.self_attn, self.mlp
+        residual = residual.contiguous()
+        rope_store = attn.attn.rope_store(rope, fb) if opts.gemv_mode == "fused_rope" else None
+        qkv = attn.qkv_proj.norm_gemv(residual, self.input_layernorm, opts, rope=rope_store)
+        o = attn.attn.forward_qkv(qkv, rope, fb, rotated=rope_store is not None)
+        attn.o_proj.add_into(residual, o.reshape(1, -1).contiguous(), opts)
+        h = mlp.gate_up_proj.norm_gemv(residual, self.post_attention_layernorm, opts, silu_mul=True)
+        mlp.down_proj.add_into(residual, h, opts)
+        return residual
 
 
 class LlamaModel(nn.Module):
@@ -91,11 +122,18 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None):
         # input_embeds: multimodal models pass embeddings with image features already merged in.
+        fb = forward_batch
+        opts = fb.kernel_options
         hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        fused = opts is not None and opts.fused_ops
+        rope = self.rotary_emb.for_batch(positions, hidden.dtype, fused,
+                                         fb.req_to_token_pool.max_context_len if fused else 0)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, forward_batch)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, fb)
+        if hidden is None:  # one-token fused GEMVs: the residual adds are done
+            return self.norm(residual, opts=opts)
+        return self.norm(hidden, residual, opts)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -115,8 +153,8 @@ class LlamaForCausalLM(nn.Module):
         """Returns final hidden states [num_tokens, hidden]; logits are computed only where needed."""
         return self.model(input_ids, positions, forward_batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size).float()
+    def compute_logits(self, hidden: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
+        return vocab_parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size, opts).float()
 
     # Weight loading: HF names in, merged q/k/v and gate/up out.
     _stacked = {

@@ -21,7 +21,7 @@ from .llama import LlamaForCausalLM
 class LlavaMultiModalProjector(nn.Module):
     def __init__(self, config):
         super().__init__()
-        from transformers.activations import ACT2FN
+        from transformers.activations import ACT2FN  # deferred: transformers is heavy to import
 
         layers = config.vision_feature_layer
         n_layers = 1 if isinstance(layers, int) else len(layers)
@@ -38,7 +38,7 @@ class LlavaMultiModalProjector(nn.Module):
 class LlavaForConditionalGeneration(nn.Module):
     def __init__(self, config):
         super().__init__()
-        from transformers import AutoModel
+        from transformers import AutoModel  # deferred: transformers is heavy to import
 
         self.config = config
         # CLIPVisionModel / SiglipVisionModel; in the dtype the rest is built in (the runner sets the default).
@@ -110,8 +110,8 @@ class LlavaForConditionalGeneration(nn.Module):
         self._merge_image_features(embeds, fb)
         return lm(input_ids, positions, fb, input_embeds=embeds)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, opts=None) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden, opts)
 
     # Weights --------------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -176,8 +176,8 @@ def dummy_llava_config(text: dict | None = None, vision: dict | None = None, vis
     """A LlavaConfig built locally (no hub): CLIP (or ``vision_type="siglip"``) vision tower + Llama LM. The
     defaults are tiny (tests); ``llava_7b_config()`` gives LLaVA-1.5-7B's shapes. ``image_token_id`` defaults
     to the last vocab id."""
+    # Test and benchmark helpers: transformers (heavy) and the loader only when called.
     from transformers import CLIPVisionConfig, LlavaConfig, SiglipVisionConfig
-
     from ..model_loader.loader import dummy_config
 
     text_cfg = dummy_config(**(text or {}))
@@ -207,10 +207,9 @@ def save_dummy_llava(config, out_dir: str, seed: int = 0, weights: bool = True) 
     """Writes config + tokenizer (the dummy BPE one with ``<image>`` at ``image_token_id``) + image processor
     config into ``out_dir``, and, with ``weights``, HF ``LlavaForConditionalGeneration`` random weights
     (seeded, fp32 safetensors). Without weights the dir is for ``load_format='dummy'`` (GPU benchmarks)."""
+    # Test and benchmark helpers: transformers (heavy), the loader and the image processor only when called.
     import os
-
     from transformers import AddedToken, GenerationConfig
-
     from ..model_loader.loader import build_dummy_tokenizer
     from ..multimodal.processor import build_image_processor
 
@@ -228,7 +227,7 @@ def save_dummy_llava(config, out_dir: str, seed: int = 0, weights: bool = True) 
     if not weights:
         config.save_pretrained(out_dir)
         return out_dir
-    from transformers import LlavaForConditionalGeneration as HFLlava
+    from transformers import LlavaForConditionalGeneration as HFLlava  # deferred: heavy
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...models.llama import head_dim_of
 from .base import AttentionBackend, device_table
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
@@ -59,11 +58,11 @@ def kv_page_indices(table: torch.Tensor, rows: torch.Tensor, lens: list[int]) ->
 
 
 class FlashInferAttnBackend(AttentionBackend):
-    # The backend writes the new tokens' K/V itself (no fused store), and decode is not captured in CUDA graphs.
-    supports_fused_kv_store = False
+    # The backend writes the new tokens' K/V itself (no fused store), and decode is not captured in CUDA graphs
+    # (the base class's declarations).
 
     def __init__(self, model_runner):
-        try:
+        try:  # optional dependency
             import flashinfer
         except ImportError as e:
             raise RuntimeError("--attention-backend flashinfer needs the flashinfer-python package "
@@ -76,7 +75,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.device = torch.device(model_runner.device)
         self.num_heads = model_runner.num_heads  # this rank's heads
         self.num_kv_heads = model_runner.num_kv_heads
-        self.head_dim = head_dim_of(getattr(model_runner, "text_config", None) or model_runner.config)
+        self.head_dim = model_runner.token_to_kv_pool.head_dim
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"--attention-backend flashinfer supports head sizes {HEAD_DIMS}; this model's is "
                              f"{self.head_dim}: use --attention-backend triton")

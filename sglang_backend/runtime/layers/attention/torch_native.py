@@ -23,10 +23,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         else:
             self.kv_slots = [rows[i, :n] for i, n in enumerate(fb.seq_lens_cpu)]
 
-    def forward_extend(self, q, k, v, layer, fb):
+    def forward_extend(self, q, k, v, layer, fb, save_kv: bool = True):
         pool = fb.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
-                           v.view(-1, layer.num_kv_heads, layer.head_dim))
+        if save_kv:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
+                               v.view(-1, layer.num_kv_heads, layer.head_dim))
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
@@ -47,10 +48,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             start += extend_len
         return out.reshape(-1, layer.num_heads * layer.head_dim)
 
-    def forward_decode(self, q, k, v, layer, fb):
+    def forward_decode(self, q, k, v, layer, fb, save_kv: bool = True):
         pool = fb.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
-                           v.view(-1, layer.num_kv_heads, layer.head_dim))
+        if save_kv:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
+                               v.view(-1, layer.num_kv_heads, layer.head_dim))
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         q = q.view(-1, layer.num_heads, 1, layer.head_dim)  # [bs, H, 1, D]
         keys = k_buf[self.decode_slots].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]

@@ -11,43 +11,41 @@ from __future__ import annotations
 
 import torch
 
-from .... import environ
-from ...models.llama import head_dim_of
+from ..kernel_options import DEFAULT_OPTIONS
 from .base import AttentionBackend, device_table
 from .triton_ops.decode_attention import decode_attention_fwd, num_prefix_programs_per_split, shared_prefix_len
 from .triton_ops.extend_attention import extend_attention_fwd
 from .triton_ops.fused_ops import store_kv
 
 MAX_KV_SPLITS = 32
-# Stage-1 programs per SM that decode aims for when it splits sequences (num_kv_splits): 16 splits at batch 1
-# for 32 MHA heads on 132 SMs, the fastest in bench_gpu's attn_sweep on an H100 (11.1 us per layer at 1k
-# context, vs 11.9 for 32 splits); the sweep sets it from its winner for the rest of its run.
-TARGET_PROGRAMS_PER_SM = 3.875
-# Decode folds the merge of the splits into stage 1 (decode_attention.py: the last split to finish merges);
-# SGLANG_BACKEND_FUSED_MERGE=0 keeps the separate stage-2 kernel (the bench compares both).
-FUSED_MERGE = environ.FUSED_MERGE.get()
+# Decode folds the merge of the splits into stage 1 (decode_attention.py: the last split to finish merges)
+# unless the batch's KernelOptions.attention_merge is "stage2" (--attention-merge; the bench compares both).
+# The stage-1 programs per SM that decode aims for when it splits sequences (num_kv_splits) are a tuned
+# per-device value (KernelConfigs.target_programs_per_sm), fixed when the backend is built (it sizes scratch).
 # Cascade decode (a prefix shared by the whole batch read once per tile, not once per request) from this batch
 # size up; below it the extra launch per layer costs more than the shared reads save.
 CASCADE_MIN_BS = 8
 MAX_PREFIX_SPLITS = 8
 
 
-def num_kv_splits(bs: int, heads_per_req: int, num_sms: int) -> int:
+def num_kv_splits(bs: int, heads_per_req: int, num_sms: int, target_programs_per_sm: float) -> int:
     """Splits along the sequence in decode so that bs * heads_per_req * splits fills the GPU (a constant per
     batch size, so a CUDA graph captured for bs serves every sequence length)."""
-    return max(1, min(MAX_KV_SPLITS, -(-int(TARGET_PROGRAMS_PER_SM * num_sms) // (bs * heads_per_req))))
+    return max(1, min(MAX_KV_SPLITS, -(-int(target_programs_per_sm * num_sms) // (bs * heads_per_req))))
 
 
 class TritonAttnBackend(AttentionBackend):
-    # The model may write K/V into the pool itself (fused with rotary) and call forward(..., save_kv=False).
+    # The model may write K/V into the pool itself (fused with rotary) and call forward(..., save_kv=False);
+    # decode runs in CUDA graphs (cuda_graph_runner.py).
     supports_fused_kv_store = True
+    supports_cuda_graph = True
 
     def __init__(self, model_runner):
-        cfg = getattr(model_runner, "text_config", None) or model_runner.config  # LLaVA: the LM's config
         self.device = torch.device(model_runner.device)
         self.num_heads = model_runner.num_heads  # this rank's heads (tensor parallelism splits them)
         self.num_kv_heads = model_runner.num_kv_heads
-        self.head_dim = head_dim_of(cfg)
+        self.head_dim = model_runner.token_to_kv_pool.head_dim
+        self.configs = model_runner.kernel_options.configs  # launch configs; split counts fixed from here on
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
         # Programs per (request, split) in decode stage 1: one per KV head (its query heads are the rows).
@@ -63,7 +61,6 @@ class TritonAttnBackend(AttentionBackend):
         self.mid_lse = torch.empty(rows * self.num_heads, dtype=torch.float32, device=self.device)
         # Per (request, head) split counters of the fused merge; every launch leaves them zero.
         self.merge_counters = torch.zeros(max_bs * self.num_heads, dtype=torch.int32, device=self.device)
-        self.fused_merge = FUSED_MERGE
         self.decode_splits = 1
         self.prefix_splits = 0  # > 0: this decode batch runs in cascade mode
         self.prefix_len = torch.zeros(1, dtype=torch.int32, device=self.device)  # read by the kernels (graphs too)
@@ -72,10 +69,10 @@ class TritonAttnBackend(AttentionBackend):
         self.forward_metadata = None
 
     def _target_programs(self) -> int:
-        return int(TARGET_PROGRAMS_PER_SM * self.num_sms)
+        return int(self.configs.target_programs_per_sm * self.num_sms)
 
     def num_kv_splits(self, bs: int) -> int:
-        return num_kv_splits(bs, self.heads_per_req, self.num_sms)
+        return num_kv_splits(bs, self.heads_per_req, self.num_sms, self.configs.target_programs_per_sm)
 
     def num_prefix_splits(self, bs: int, shared_first_slot: bool = True) -> int:
         """Splits of the shared prefix in cascade decode (0: no cascade at this batch size, or for a batch whose
@@ -139,14 +136,10 @@ class TritonAttnBackend(AttentionBackend):
         self.prefix_len.zero_()
 
     # Attention -----------------------------------------------------------------------------------------------
-    def forward(self, q, k, v, layer, forward_batch, save_kv: bool = True):
-        if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch, save_kv)
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv)
-
     def _save(self, k, v, layer, fb) -> None:
         pool = fb.token_to_kv_pool
-        store_kv(k, v, fb.out_cache_loc, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id))
+        store_kv(k, v, fb.out_cache_loc, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                 pdl=(fb.kernel_options or DEFAULT_OPTIONS).pdl)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv: bool = True):
         if save_kv:
@@ -165,6 +158,7 @@ class TritonAttnBackend(AttentionBackend):
         if save_kv:
             self._save(k, v, layer, fb)
         pool = fb.token_to_kv_pool
+        opts = fb.kernel_options or DEFAULT_OPTIONS
         bs = q.shape[0]
         splits, prefix_splits = self.decode_splits, self.prefix_splits
         mid_o, mid_lse = self._scratch(bs, splits + prefix_splits)
@@ -173,5 +167,6 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(qv, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
                              device_table(fb.req_to_token_pool), fb.req_pool_indices, fb.seq_lens, mid_o, mid_lse,
                              splits, layer.scaling, prefix_len=self.prefix_len, prefix_splits=prefix_splits,
-                             merge_counters=self.merge_counters if self.fused_merge else None)
+                             merge_counters=self.merge_counters if opts.attention_merge == "fused" else None,
+                             configs=opts.configs if fb.kernel_options is not None else self.configs, pdl=opts.pdl)
         return o.view(bs, layer.num_heads * layer.head_dim)

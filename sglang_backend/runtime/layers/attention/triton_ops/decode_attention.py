@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from ...kernel_options import KernelConfigs
+from . import pdl as _pdl
 from .pdl import pdl_begin
 
 LOG2E = 1.4426950408889634
@@ -225,15 +226,11 @@ def _decode_stage2(
 
 
 # Launch parameters of stage 1, (BLOCK_N, num_warps, num_stages, head_fastest), for small batches (the
-# sequence split many ways) and large ones; tuned on H100/H200 (benchmarks/bench_gpu.py --only attn_sweep).
-# H100 (session 5 sweep), MHA through tl.dot: batch 1 at 1k context 11.1 us per layer (16 splits of 64-token
-# tiles; a vector kernel on CUDA cores, since removed, took 11.9); batch 64 over 1k + 2k context 2.99 TB/s, the
-# copy rate (the vector kernel: 2.7).
-MHA_CONFIG = {"small": [64, 2, 1, True], "large": [64, 4, 3, False]}
+# sequence split many ways) and large ones come from the caller's KernelConfigs (decode_mha / decode_gqa, tuned
+# per device with benchmarks/bench_gpu.py --only attn_sweep; see layers/kernel_options.py for the H100 values).
 # (Requesting the first KV tile before the PDL wait, to overlap it with the qkv GEMV's tail, was measured
 # slower on an H100: batch 1 5.41 vs 5.20 ms per step, batch 64 17.74 vs 17.33 ms; removed.)
-GQA_CONFIG = {"small": [64, 4, 2, True], "large": [128, 4, 2, False]}
-LARGE_BATCH = 16
+_DEFAULT_CONFIGS = KernelConfigs()
 
 
 # Cascade (shared-prefix) stage 1: rows of queries per program and tokens per KV tile.
@@ -249,7 +246,8 @@ def num_prefix_programs_per_split(bs: int, num_heads: int, num_kv_heads: int) ->
 
 def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                          num_splits: int, sm_scale: float, config: tuple | None = None,
-                         prefix_len=None, prefix_splits: int = 0, merge_counters=None) -> None:
+                         prefix_len=None, prefix_splits: int = 0, merge_counters=None,
+                         configs: KernelConfigs | None = None, pdl: bool = False) -> None:
     """q, o: [bs, H, D]; k_buf, v_buf: [slots, Hkv, D]; mid_o: >= [bs, H, num_splits + prefix_splits, D] fp32
     and mid_lse: >= [bs, H, num_splits + prefix_splits] fp32 scratch (any leading layout given by their strides).
 
@@ -259,7 +257,8 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
     P lives on the device so a CUDA graph captured once serves every step.
 
     ``merge_counters``: int32 zeros, >= bs * num_heads, owned by the caller and left zero by every launch; with
-    them (and outside cascade mode) stage 2 is folded into stage 1 (see the module docstring)."""
+    them (and outside cascade mode) stage 2 is folded into stage 1 (see the module docstring). ``config`` (one
+    launch configuration) or else ``configs`` (the tuned table) picks stage 1's launch parameters."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -279,9 +278,8 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
     block_s = triton.next_power_of_2(num_splits)
     common = (q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, prefix_len if has_prefix else seq_lens,
               mid_o, mid_lse, o, merge_counters if fuse_merge else seq_lens) + strides
-    size = "large" if bs >= LARGE_BATCH else "small"
-    launch = pdl.launch_args(q)
-    block_n, warps, stages, head_fastest = config or (MHA_CONFIG if group == 1 else GQA_CONFIG)[size]
+    launch = _pdl.launch_args(q, pdl)
+    block_n, warps, stages, head_fastest = config or (configs or _DEFAULT_CONFIGS).decode_config(group == 1, bs)
     if block_d > 128:
         block_n = min(block_n, 32)
     grid = (num_kv_heads, bs, num_splits) if head_fastest else (bs, num_kv_heads, num_splits)

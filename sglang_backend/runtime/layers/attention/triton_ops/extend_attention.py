@@ -11,6 +11,7 @@ Grid: ``bs x num_heads x cdiv(max_extend_len, BLOCK_M)``; programs past a reques
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -95,8 +96,6 @@ def _config(head_dim: int, is_fp32: bool) -> tuple[int, int, int, int]:
 def extend_attention_fwd(q, o, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                          extend_start, max_extend_len: int, sm_scale: float) -> None:
     """q, o: [num_tokens, H, D]; k_buf, v_buf: [slots, Hkv, D]; per-request int tensors of length bs."""
-    import torch
-
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"

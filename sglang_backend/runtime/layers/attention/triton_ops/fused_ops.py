@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl as _pdl
 from .pdl import pdl_begin
 
 
@@ -46,7 +46,7 @@ def _norm_warps(block: int) -> int:
     return 4 if block <= 1024 else (8 if block <= 4096 else 16)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
     """[T, N] -> [T, N] in x's dtype."""
     assert x.dim() == 2 and x.stride(-1) == 1
     T, N = x.shape
@@ -55,11 +55,12 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return y
     block = triton.next_power_of_2(N)
     _rmsnorm_kernel[(T,)](x, x, weight, y, x.stride(0), x.stride(0), y.stride(0), N, eps,
-                          HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block), **pdl.launch_args(x))
+                          HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block), **_pdl.launch_args(x, pdl))
     return y
 
 
-def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      pdl: bool = False) -> torch.Tensor:
     """``residual += x`` (in place, rounded to its dtype); returns ``rmsnorm(residual)``."""
     assert x.shape == residual.shape and x.stride(-1) == 1 and residual.stride(-1) == 1
     T, N = x.shape
@@ -68,7 +69,7 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
         return y
     block = triton.next_power_of_2(N)
     _rmsnorm_kernel[(T,)](x, residual, weight, y, x.stride(0), residual.stride(0), y.stride(0), N, eps,
-                          HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block), **pdl.launch_args(x))
+                          HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block), **_pdl.launch_args(x, pdl))
     return y
 
 
@@ -85,7 +86,7 @@ def _silu_and_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, PDL: 
     tl.store(Y + row * stride_y + offs, (s.to(tl.float32) * u).to(Y.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """[T, 2N] (gate | up) -> [T, N] = silu(gate) * up."""
     assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] % 2 == 0
     T, N2 = x.shape
@@ -95,7 +96,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return y
     block = min(2048, triton.next_power_of_2(N))
     _silu_and_mul_kernel[(T, triton.cdiv(N, block))](x, y, x.stride(0), y.stride(0), N, BLOCK=block,
-                                                     num_warps=4, **pdl.launch_args(x))
+                                                     num_warps=4, **_pdl.launch_args(x, pdl))
     return y
 
 
@@ -147,7 +148,8 @@ def _rope_store_kernel(QKV, Positions, CosSin, Loc, KBuf, VBuf,
 
 def rope_and_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
                       num_kv_heads: int, head_dim: int, out_cache_loc: torch.Tensor | None = None,
-                      k_buf: torch.Tensor | None = None, v_buf: torch.Tensor | None = None) -> None:
+                      k_buf: torch.Tensor | None = None, v_buf: torch.Tensor | None = None, *,
+                      pdl: bool = False) -> None:
     """Rotates the q and k parts of ``qkv`` [T, (H + 2*Hkv) * D] in place with ``cos_sin`` [max_pos, D]
     (cos in the first D/2 columns, sin in the last D/2); with ``k_buf``/``v_buf`` also writes the rotated k
     and v of token t into pool slot ``out_cache_loc[t]``."""
@@ -169,7 +171,7 @@ def rope_and_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch
         v_buf.stride(0), v_buf.stride(1) if store else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), STORE=store, num_warps=4, **pdl.launch_args(qkv),
+        BLOCK_HALF=triton.next_power_of_2(half), STORE=store, num_warps=4, **_pdl.launch_args(qkv, pdl),
     )
 
 
@@ -188,7 +190,8 @@ def _store_kv_kernel(K, V, Loc, KBuf, VBuf, stride_k, stride_v, stride_kt, strid
              mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+             pdl: bool = False) -> None:
     """k, v: [T, Hkv*D] (rows may be strided); k_buf, v_buf: [slots, Hkv, D] contiguous per slot."""
     T = k.shape[0]
     if T == 0:
@@ -199,4 +202,4 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.T
     block = min(1024, triton.next_power_of_2(N))
     _store_kv_kernel[(T, triton.cdiv(N, block))](k, v, loc, k_buf, v_buf, k.stride(0), v.stride(0),
                                                 k_buf.stride(0), v_buf.stride(0), N, BLOCK=block, num_warps=4,
-                                                **pdl.launch_args(k))
+                                                **_pdl.launch_args(k, pdl))

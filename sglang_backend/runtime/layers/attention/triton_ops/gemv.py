@@ -2,7 +2,7 @@
 
 At batch 1 a decode step is nothing but reading the weights once; this kernel streams W in [BLOCK_N, BLOCK_K]
 tiles (rows contiguous along K, so every load is coalesced), keeps per-lane fp32 partial sums and reduces once
-at the end. Used by the fused executor for single-row inputs (see benchmarks/bench_gpu.py, ``runner``).
+at the end. The linear layers (layers/linear.py) use it for single-row inputs (benchmarks/bench_gpu.py ``runner``).
 
 Optional fusions remove the small kernels around each linear of a Llama layer, with the same roundings as the
 unfused kernels in fused_ops.py:
@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from ...kernel_options import KernelConfigs
+from . import pdl as _pdl
 from .pdl import pdl_begin
 
 
@@ -122,13 +123,9 @@ def _gemv_kernel(X, W, B, Y, NW, N, K, stride_w, eps,
         tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
-# Launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages). The default: on an H100 (bench_gpu gemv_step_sweep,
-# Llama-2-7B shapes, judged on the whole batch-1 step) 4 rows x 1024-wide K tiles won for qkv, gate_up and
-# down_proj and tied for o_proj (step 5.84 -> 5.46 ms from [16, 256, 4, 3]): more programs in flight, each
-# streaming longer runs of its rows; a finer second sweep around it found nothing beyond noise. Per-shape
-# overrides, keyed (rows, cols, silu_mul), are what the sweep writes when it finds better.
-GEMV_CONFIG = [4, 1024, 4, 3]
-GEMV_CONFIGS: dict[tuple[int, int, bool], list[int]] = {}
+# Launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages) come from the caller's KernelConfigs (tuned per device,
+# see layers/kernel_options.py); the defaults are the H100 winners of bench_gpu's gemv_step_sweep.
+_DEFAULT_CONFIGS = KernelConfigs()
 
 
 @dataclasses.dataclass
@@ -148,7 +145,7 @@ class RopeStore:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, *, norm_weight: torch.Tensor | None = None,
          eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
-         rope: RopeStore | None = None) -> torch.Tensor:
+         rope: RopeStore | None = None, configs: KernelConfigs | None = None, pdl: bool = False) -> torch.Tensor:
     """x: [1, K] (contiguous), weight: [N, K] (rows contiguous) -> [1, N] in x's dtype ([1, N/2] with
     ``silu_mul``; ``residual`` itself, updated in place, when given). With ``rope`` the weight is a fused
     qkv projection: q and k come out rotated, and k and v are also stored in the KV pool."""
@@ -166,7 +163,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         y = residual
     else:
         y = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config or GEMV_CONFIGS.get((weight.shape[0], K, silu_mul), GEMV_CONFIG)
+    block_n, block_k, warps, stages = config or (configs or _DEFAULT_CONFIGS).gemv_config(weight.shape[0], K, silu_mul)
     grid = triton.cdiv(N, block_n)
     r = rope
     if r is not None:
@@ -185,6 +182,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU_MUL=silu_mul, ADD_TO_Y=residual is not None,
         ROPE=r is not None, NUM_HEADS=r.num_heads if r else 0, NUM_KV_HEADS=r.num_kv_heads if r else 0,
         HEAD_DIM=r.head_dim if r else 2,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.launch_args(x),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **_pdl.launch_args(x, pdl),
     )
     return y

@@ -12,12 +12,13 @@ without PDL (cuBLAS, torch ops) keep ordinary stream order.
 On by default on sm90+. On an H100, inside the decode CUDA graphs (Llama-2-7B fp16, 1k context, batch 1, the
 fused GEMV with rotary, merge folded into attention stage 1): 5.21 ms per step with PDL vs 5.38 ms without
 (benchmarks/bench_gpu.py ``runner`` times both, 2026-11-21); batch 64 19.12 vs 19.14 ms. (An earlier kernel set
-with fewer, longer GEMV programs had measured no gain.) ``SGLANG_BACKEND_PDL=0`` (or :func:`set_enabled`) turns it
-off; never under the Triton interpreter or on older GPUs, where the instructions do not exist.
+with fewer, longer GEMV programs had measured no gain.) ``--disable-pdl`` (``KernelOptions.pdl``, passed to every
+launch) turns it off; never under the Triton interpreter or on older GPUs, where the instructions do not exist.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -26,15 +27,11 @@ import triton.language as tl
 
 from ..... import environ
 
-_override: bool | None = None
-
 
 def _triton_has_pdl() -> bool:
     """Triton 3.3+ has both the ``launch_pdl`` launch option and the griddepcontrol intrinsics; older ones would
     reject the option, so PDL stays off there."""
-    try:
-        import dataclasses
-
+    try:  # the NVIDIA backend's module layout differs between Triton versions
         from triton.backends.nvidia.compiler import CUDAOptions
 
         return ("launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
@@ -50,26 +47,16 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9 and _triton_has_pdl()
 
 
-def enabled(t: torch.Tensor) -> bool:
-    """Whether kernels working on ``t``'s device launch with PDL now."""
-    if t.device.type != "cuda" or not _supported(t.device.index or 0):
-        return False
-    if _override is not None:
-        return _override
-    return environ.PDL.get()
+def supported(t: torch.Tensor) -> bool:
+    """Whether kernels working on ``t``'s device can launch with PDL."""
+    return t.device.type == "cuda" and _supported(t.device.index or 0)
 
 
-def launch_args(t: torch.Tensor) -> dict:
-    """Keyword arguments for launching a kernel (with a ``PDL: tl.constexpr`` parameter) on ``t``'s device."""
-    on = enabled(t)
+def launch_args(t: torch.Tensor, enabled: bool) -> dict:
+    """Keyword arguments for launching a kernel (with a ``PDL: tl.constexpr`` parameter) on ``t``'s device:
+    with PDL when ``enabled`` (``KernelOptions.pdl``) and the device and Triton support it."""
+    on = enabled and supported(t)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}  # (older Triton lacks launch_pdl)
-
-
-def set_enabled(value: bool | None) -> None:
-    """Forces PDL on/off for later launches (None: back to the environment default). CUDA graphs captured
-    before keep what they captured: recapture after changing it."""
-    global _override
-    _override = value
 
 
 @triton.jit

@@ -1,0 +1,156 @@
+"""Which GPU kernels a forward pass uses, and their tuned launch configurations: one small object, resolved once
+from ``ServerArgs`` by the model runner and handed to the layers and the attention backend with every batch
+(``ForwardBatch.kernel_options``). Nothing here is read from the environment or from module globals.
+
+* ``fused_ops``: Triton kernels inside the layers (RMSNorm with the residual add, rotary + KV store, SiLU-mul);
+  off: the exact torch reference modules (always so on the CPU);
+* ``gemv_mode``: one-token batches (decode at batch 1) through the Triton GEMV: ``off`` (cuBLAS), ``on`` (GEMV,
+  norms and SiLU-mul separate), ``fused`` (the RMSNorm in the GEMV's prologue, SiLU-mul and the residual add in
+  its epilogues), ``fused_rope`` (``fused`` plus rotary and the KV store in the qkv GEMV's epilogue, with
+  backends that let the model store KV). ``auto``: ``fused_rope`` on Hopper and newer (measured fastest on an
+  H100: 5.46 ms per batch-1 Llama-2-7B step against 5.55 for ``fused``, 5.78 for ``on``, 6.16 for cuBLAS),
+  else ``off``;
+* ``pdl``: programmatic dependent launch for the kernels that support it (only where the GPU and Triton do:
+  see triton_ops/pdl.py);
+* ``attention_merge``: triton decode attention merges its sequence splits in stage 1 (``fused``: the last split
+  to finish merges) or in a separate ``stage2`` kernel;
+* ``configs``: launch configurations tuned per device (:class:`KernelConfigs`), from
+  ``triton_ops/configs/<device name>.json`` or ``--kernel-config``, else the built-in defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..server_args import ATTENTION_MERGES, GEMV_MODES
+CONFIG_DIR = pathlib.Path(__file__).parent / "attention" / "triton_ops" / "configs"
+
+try:  # optional: triton (GPU kernels); without it every fused kernel is off
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+
+@dataclass(frozen=True)
+class KernelConfigs:
+    """Tuned launch parameters (the defaults are the values tuned on an H100 with benchmarks/bench_gpu.py)."""
+
+    # Batch-1 GEMV (BLOCK_N, BLOCK_K, num_warps, num_stages): 4 rows x 1024-wide K tiles won for Llama-2-7B's
+    # qkv, gate_up and down_proj and tied for o_proj (gemv_step_sweep, judged on the whole batch-1 step).
+    gemv: tuple = (4, 1024, 4, 3)
+    # Per-shape overrides, keyed "rows,cols,silu_mul" (e.g. "22016,4096,1"): what gemv_step_sweep writes.
+    gemv_shapes: dict = field(default_factory=dict)
+    # Decode attention stage 1 (BLOCK_N, num_warps, num_stages, head_fastest) for small batches (the sequence
+    # split many ways) and large ones (from decode_large_batch up); MHA through tl.dot, GQA with the query heads
+    # of a KV head as the rows of one tile (bench_gpu attn_sweep).
+    decode_mha: dict = field(default_factory=lambda: {"small": (64, 2, 1, True), "large": (64, 4, 3, False)})
+    decode_gqa: dict = field(default_factory=lambda: {"small": (64, 4, 2, True), "large": (128, 4, 2, False)})
+    decode_large_batch: int = 16
+    # Stage-1 programs per SM that decode aims for when it splits sequences: 16 splits at batch 1 for 32 MHA
+    # heads on 132 SMs, the fastest in attn_sweep on an H100 (11.1 us per layer at 1k context vs 11.9 for 32).
+    target_programs_per_sm: float = 3.875
+
+    def gemv_config(self, rows: int, cols: int, silu_mul: bool) -> tuple:
+        return tuple(self.gemv_shapes.get(f"{rows},{cols},{int(silu_mul)}", self.gemv))
+
+    def decode_config(self, mha: bool, bs: int) -> tuple:
+        table = self.decode_mha if mha else self.decode_gqa
+        return tuple(table["large" if bs >= self.decode_large_batch else "small"])
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "KernelConfigs":
+        """Missing keys keep the defaults; unknown ones are refused (a typo would silently change nothing)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"kernel config: unknown keys {unknown}; known: {sorted(names)}")
+        base = cls()
+        merged = {}
+        for k, v in data.items():
+            if k in ("decode_mha", "decode_gqa"):
+                v = {**getattr(base, k), **{size: tuple(c) for size, c in v.items()}}
+            elif k == "gemv":
+                v = tuple(v)
+            elif k == "gemv_shapes":
+                v = {key: tuple(c) for key, c in v.items()}
+            merged[k] = v
+        return dataclasses.replace(base, **merged)
+
+
+def device_config_name(device) -> str | None:
+    """File name of the tuned configs of ``device``'s GPU model ("NVIDIA_H100_80GB_HBM3.json"); None off CUDA."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(dev)).strip("_") + ".json"
+
+
+def load_kernel_configs(device, path: str | None = None) -> KernelConfigs:
+    """``path`` if given, else this device's file in triton_ops/configs/ if there is one, else the defaults."""
+    if path is None:
+        name = device_config_name(device)
+        candidate = CONFIG_DIR / name if name else None
+        if candidate is None or not candidate.is_file():
+            return KernelConfigs()
+        path = str(candidate)
+    with open(path) as f:
+        return KernelConfigs.from_json(json.load(f))
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Resolved for one device (``resolve``): on the CPU every kernel choice is off, so the layers run the torch
+    reference whatever the flags say (the layers themselves look only at these options)."""
+
+    fused_ops: bool = False
+    gemv_mode: str = "off"  # resolved: off, on, fused or fused_rope
+    pdl: bool = False
+    attention_merge: str = "fused"
+    configs: KernelConfigs = field(default_factory=KernelConfigs)
+
+    def __post_init__(self):
+        if self.gemv_mode not in GEMV_MODES[1:]:
+            raise ValueError(f"gemv_mode must be one of {GEMV_MODES[1:]} once resolved, got {self.gemv_mode!r}")
+        if self.attention_merge not in ATTENTION_MERGES:
+            raise ValueError(f"attention_merge must be one of {ATTENTION_MERGES}, got {self.attention_merge!r}")
+        if self.gemv_mode != "off" and not self.fused_ops:
+            raise ValueError(f"gemv_mode {self.gemv_mode!r} needs fused_ops (the Triton kernels)")
+
+    @property
+    def fused_gemv(self) -> bool:
+        """One-token batches fold the norms and the residual adds into the GEMVs (decoder layers)."""
+        return self.gemv_mode in ("fused", "fused_rope")
+
+    def use_gemv(self, x: torch.Tensor) -> bool:
+        """Whether a linear layer runs ``x`` through the GEMV (one row, GEMV on)."""
+        return self.gemv_mode != "off" and x.shape[0] == 1
+
+    @classmethod
+    def resolve(cls, server_args, device) -> "KernelOptions":
+        """From ``ServerArgs`` (gemv_mode, disable_fused_ops, disable_pdl, attention_merge, kernel_config) and
+        the device: everything off on the CPU or without triton; ``auto`` GEMV mode by compute capability."""
+        dev = torch.device(device)
+        on_gpu = dev.type == "cuda" and HAVE_TRITON
+        fused = on_gpu and not server_args.disable_fused_ops
+        mode = server_args.gemv_mode
+        if not fused:
+            mode = "off"
+        elif mode == "auto":
+            mode = "fused_rope" if torch.cuda.get_device_capability(dev.index or 0)[0] >= 9 else "off"
+        return cls(fused_ops=fused, gemv_mode=mode, pdl=on_gpu and not server_args.disable_pdl,
+                   attention_merge=server_args.attention_merge,
+                   configs=load_kernel_configs(dev, server_args.kernel_config) if on_gpu else KernelConfigs())
+
+
+DEFAULT_OPTIONS = KernelOptions()
