@@ -27,7 +27,7 @@ queue), insertion, eviction and lock bookkeeping, timed inside the scheduler.
     python -m benchmarks.bench_radix                      # SmolLM2-135M (embedded default model)
     python -m benchmarks.bench_radix --tiny               # tiny random-weight Llama, seconds
     python -m benchmarks.bench_radix --smoke              # tiny model, tiny workload (CI)
-    python -m benchmarks.bench_radix --groups 4 --per-group 8 --output benchmarks/results/radix_smollm2.json
+    python -m benchmarks.bench_radix --groups 4 --per-group 8 --output /tmp/radix_4x8.json   # a smaller workload
 """
 
 from __future__ import annotations

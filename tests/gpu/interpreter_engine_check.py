@@ -1,4 +1,4 @@
-"""Without a GPU: the Triton attention backend and the fused executor (every batch-1 GEMV mode) give the
+"""Without a GPU: the Triton attention backend and the fused layer kernels (every batch-1 GEMV mode) give the
 torch_native backend's greedy tokens (fp32, a tiny Llama), decode at batch 1 and at batch 2, with every Triton
 kernel run by the Triton interpreter on the CPU. A development check (minutes), not part of CI (no triton there):
 
@@ -7,6 +7,7 @@ kernel run by the Triton interpreter on the CPU. A development check (minutes), 
 (triton 3.6's interpreter may need the one-line patch in its interpreter.py that reads a 0-d handle with
 ``int(self.handle.data.reshape(-1)[0])``.)
 """
+import dataclasses
 import tempfile
 import types
 
@@ -14,7 +15,7 @@ import torch
 from transformers import LlamaConfig
 from sglang_backend import Engine
 from sglang_backend.runtime.model_loader.loader import build_dummy_tokenizer
-from sglang_backend.runtime.layers.attention.triton_ops.fused_llama import FusedLlamaExecutor
+from sglang_backend.runtime.layers.kernel_options import KernelOptions
 
 torch.cuda.get_device_properties = lambda dev: types.SimpleNamespace(multi_processor_count=4)  # no GPU here
 from sglang_backend.runtime.layers.attention.triton_backend import TritonAttnBackend
@@ -37,9 +38,8 @@ mr.attn_backend = TritonAttnBackend(mr)
 ok = True
 for mode in ("off", "fused", "fused_rope"):
     eng.flush_cache()
-    ex = FusedLlamaExecutor(mr.model, 256, "cpu")
-    ex.gemv_mode = mode
-    mr.executor = ex
+    # Fused kernels on the CPU tensors (KernelOptions.resolve would turn them off on the CPU): the interpreter.
+    mr.kernel_options = dataclasses.replace(KernelOptions(fused_ops=True), gemv_mode=mode)
     one = [eng.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
     both = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
     print(mode, one == ref, both == ref_batch)

@@ -135,24 +135,22 @@ def test_flashinfer_kv_page_indices():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_batch1_gemv_modes_and_pdl_match_torch_native(peaked_model_dir, dtype, monkeypatch):
+def test_batch1_gemv_modes_and_pdl_match_torch_native(peaked_model_dir, dtype):
     """Decode at batch 1 (one request at a time) through cuBLAS, the Triton GEMV, the fused GEMV (norm
     prologue, SiLU-mul / residual epilogues) and the fused GEMV with rotary + KV store, each with and without
-    programmatic dependent launch."""
-    from sglang_backend.runtime.layers.attention.triton_ops import pdl
-
+    programmatic dependent launch (--gemv-mode, --disable-pdl)."""
     prompts = _prompts()[:1]  # a 305-token prompt: 32 decode steps at batch 1
     ref = [_run(peaked_model_dir, dtype, [p], attention_backend="torch_native")[0][0] for p in prompts]
     ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
-    try:
-        for mode in ("off", "on", "fused", "fused_rope"):
-            for use_pdl in (True, False):
-                monkeypatch.setenv("SGLANG_BACKEND_GEMV", mode)
-                pdl.set_enabled(use_pdl)
-                out = [_run(peaked_model_dir, dtype, [p], attention_backend="triton")[0][0][0] for p in prompts]
-                _same_greedy(ref_ids, ref_top, out, dtype, f"batch 1, gemv {mode}, pdl {use_pdl}")
-    finally:
-        pdl.set_enabled(None)
+    for mode in ("off", "on", "fused", "fused_rope"):
+        for use_pdl in (True, False):
+            out = [_run(peaked_model_dir, dtype, [p], attention_backend="triton", gemv_mode=mode,
+                        disable_pdl=not use_pdl)[0][0][0] for p in prompts]
+            _same_greedy(ref_ids, ref_top, out, dtype, f"batch 1, gemv {mode}, pdl {use_pdl}")
+    # Stage-2 merge kernel instead of the merge folded into stage 1.
+    out = [_run(peaked_model_dir, dtype, [p], attention_backend="triton", attention_merge="stage2")[0][0][0]
+           for p in prompts]
+    _same_greedy(ref_ids, ref_top, out, dtype, "batch 1, stage-2 merge")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -211,19 +209,19 @@ def test_overlap_schedule_matches_sync(peaked_model_dir):
 
 
 def _extend_logits(model_dir, dtype, fused: bool):
-    """Logits of a 3-request prefill through ModelRunner (triton attention), fused layer kernels on or off."""
+    """Logits of a 3-request prefill through ModelRunner (triton attention), fused layer kernels on or off
+    (--disable-fused-ops: the torch reference modules)."""
     from sglang_backend.runtime.model_loader.loader import load_model_assets
     from sglang_backend.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
     from sglang_backend.runtime.model_executor.model_runner import ModelRunner
     from sglang_backend.runtime.server_args import ServerArgs
 
     sa = ServerArgs(model_path=model_dir, device="cuda", dtype=dtype, attention_backend="triton",
-                    max_total_tokens=8192, max_running_requests=8, disable_cuda_graph=True)
+                    max_total_tokens=8192, max_running_requests=8, disable_cuda_graph=True,
+                    disable_fused_ops=not fused)
     _, config, _ = load_model_assets(sa)
     mr = ModelRunner(sa, config, model_dir)
-    assert mr.executor is not None
-    if not fused:
-        mr.executor = None
+    assert mr.kernel_options.fused_ops == fused
     lens = [37, 100, 5]
     rows = [mr.req_to_token_pool.alloc() for _ in lens]
     slots = mr.token_to_kv_pool_allocator.alloc(sum(lens))
@@ -244,7 +242,7 @@ def _extend_logits(model_dir, dtype, fused: bool):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_fused_executor_accuracy(peaked_model_dir, dtype):
+def test_fused_layers_accuracy(peaked_model_dir, dtype):
     """The fused layer kernels are as accurate as the reference torch modules: both compared with an fp32 run."""
     ref = _extend_logits(peaked_model_dir, "float32", fused=False)
     fused = _extend_logits(peaked_model_dir, dtype, fused=True)

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from kernel_checks import TOL, check_decode, check_decode_cascade, check_extend, check_fused_ops  # noqa: E402
+from benchmarks.gpu.kernel_checks import TOL, check_decode, check_decode_cascade, check_extend, check_fused_ops  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16]
 # (query heads, KV heads, head_dim): MHA, Llama-3 GQA 4, MQA, Qwen2-7B (7 per group), odd head size.

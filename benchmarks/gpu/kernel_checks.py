@@ -11,6 +11,7 @@ import math
 import random
 
 import torch
+import torch.nn.functional as F
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
@@ -75,6 +76,7 @@ def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num
                  fused_merge=False):
     """Split-KV decode vs the float64 reference; with ``fused_merge`` the merge runs inside stage 1 (split
     counters), launched twice on the same counters, which must be left zero."""
+    # Needs triton: deferred so that this module imports without it.
     from sglang_backend.runtime.layers.attention.triton_ops.decode_attention import decode_attention_fwd
 
     gen = torch.Generator().manual_seed(seed)
@@ -107,6 +109,7 @@ def check_decode_cascade(device, dtype, num_heads, num_kv_heads, head_dim, seq_l
                          prefix_splits, seed=0):
     """Cascade decode: the requests share their first ``shared_prefix`` slots; the shared length is found on
     the device (as the backend does) and attended once for the batch."""
+    # Needs triton: deferred so that this module imports without it.
     from sglang_backend.runtime.layers.attention.triton_ops.decode_attention import (
         decode_attention_fwd, shared_prefix_len)
 
@@ -134,6 +137,7 @@ def check_decode_cascade(device, dtype, num_heads, num_kv_heads, head_dim, seq_l
 
 
 def check_extend(device, dtype, num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens, shared_prefix=0, seed=0):
+    # Needs triton: deferred so that this module imports without it.
     from sglang_backend.runtime.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 
     gen = torch.Generator().manual_seed(seed)
@@ -165,8 +169,7 @@ def check_extend(device, dtype, num_heads, num_kv_heads, head_dim, prefix_lens, 
 
 def check_fused_ops(device, dtype, T=37, hidden=320, inter=448, num_heads=8, num_kv_heads=2, head_dim=64, seed=0):
     """rmsnorm / fused_add_rmsnorm / silu_and_mul / rope_and_store_kv / store_kv vs the reference modules."""
-    import torch.nn.functional as F
-
+    # Needs triton (the layers below import it): deferred so that this module imports without it.
     from sglang_backend.runtime.layers.attention.triton_ops import fused_ops
     from sglang_backend.runtime.layers.layernorm import RMSNorm
     from sglang_backend.runtime.layers.rotary_embedding import apply_rotary
@@ -215,7 +218,7 @@ def check_fused_ops(device, dtype, T=37, hidden=320, inter=448, num_heads=8, num
         fused_ops.store_kv(qkv[:, H * D : (H + Hkv) * D], qkv[:, (H + Hkv) * D :], loc, k_buf, v_buf)
         errs["store_kv"] = rel_err(k_buf[loc].reshape(T, -1), qkv[:, H * D : (H + Hkv) * D])
 
-        from sglang_backend.runtime.layers.attention.triton_ops.gemv import gemv
+        from sglang_backend.runtime.layers.attention.triton_ops.gemv import gemv  # needs triton (as above)
 
         for n, kdim in ((inter + 3, hidden), (hidden, inter)):
             w = (torch.randn(n, kdim, generator=gen) / kdim**0.5).to(device, dtype)
@@ -240,7 +243,7 @@ def check_fused_ops(device, dtype, T=37, hidden=320, inter=448, num_heads=8, num
         errs["gemv_residual.same_tensor"] = 0.0 if out.data_ptr() == r2.data_ptr() else float("inf")
         errs["gemv_residual"] = rel_err(r2, res.double() + h.double() @ w_dn.double().T)
         # qkv GEMV with rotary + KV store folded in vs the GEMV then rope_and_store_kv (one token).
-        from sglang_backend.runtime.layers.attention.triton_ops.gemv import RopeStore
+        from sglang_backend.runtime.layers.attention.triton_ops.gemv import RopeStore  # needs triton (as above)
 
         w_qkv = (torch.randn((H + 2 * Hkv) * D, hidden, generator=gen) / hidden**0.5).to(device, dtype)
         b_qkv = torch.randn((H + 2 * Hkv) * D, generator=gen).to(device, dtype)

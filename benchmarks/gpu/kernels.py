@@ -1,0 +1,319 @@
+"""Kernel-level sections, no engine: kernel errors vs float64 references (correctness), whether programmatic
+dependent launch shortens the gaps between dependent kernels (pdl_probe), decode-attention launch configs
+(attn_sweep, whose winners the engines made afterwards load), decode attention over the engine's KV layout vs
+FlashInfer (attn_layout), and cuBLAS vs the Triton GEMV for single-row linears (gemv_sweep)."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.gpu.common import MODELS, PATHS, RESULT, TUNED, cuda_time, graph_time, log, section
+from benchmarks.gpu.kernel_checks import check_decode, check_extend, check_fused_ops
+from sglang_backend.runtime.layers.kernel_options import KernelConfigs, load_kernel_configs
+
+
+def attn_shape(name: str):
+    """(dtype, query heads, KV heads, head dim) of the model."""
+    cfg = MODELS[name]["config"]
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return getattr(torch, MODELS[name]["dtype"]), H, Hkv, cfg["hidden_size"] // H
+
+
+# correctness --------------------------------------------------------------------------------------------------------
+@section("correctness")
+def bench_correctness():
+    """Worst relative error of the kernels vs float64 references on fresh random inputs (recorded in the JSON):
+    a fresh seed each run, so that runs together cover more inputs than the unit tests' fixed ones."""
+    rng = random.Random(int(time.time()))
+    res = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        dn = str(dtype).replace("torch.", "")
+        for shape in ((32, 32, 128), (32, 8, 128), (28, 4, 128), (8, 1, 64)):
+            key = f"{dn}_{'x'.join(map(str, shape))}"
+            d = max(check_decode("cuda", dtype, *shape, [rng.randint(1, 4000) for _ in range(rng.choice([1, 7, 33]))],
+                                 rng.choice([1, 8, 32]), seed=rng.randint(0, 1 << 30)) for _ in range(2))
+            bs = rng.choice([1, 3, 6])
+            e = max(check_extend("cuda", dtype, *shape, [rng.choice([0, rng.randint(1, 2000)]) for _ in range(bs)],
+                                 [rng.randint(1, 1500) for _ in range(bs)], seed=rng.randint(0, 1 << 30))
+                    for _ in range(2))
+            res[key] = {"decode_rel_err": d, "extend_rel_err": e}
+        res[f"{dn}_fused_ops"] = check_fused_ops("cuda", dtype, T=64, hidden=4096, inter=11008, num_heads=32,
+                                                 num_kv_heads=8, head_dim=128)
+    RESULT["kernel_errors"] = res
+    for k, v in res.items():
+        log(k, {a: f"{b:.2e}" for a, b in v.items()})
+
+
+# pdl_probe ----------------------------------------------------------------------------------------------------------
+@section("pdl_probe")
+def bench_pdl_probe():
+    """Does programmatic dependent launch shorten the gaps between dependent kernels here? A chain of 64
+    dependent 4096x4096 GEMVs (8 weights rotated: 268 MB, past the L2), timed eager and as a CUDA graph, with
+    and without PDL: per-GEMV time and bandwidth."""
+    # Needs triton: deferred so that this module imports without it.
+    from sglang_backend.runtime.layers.attention.triton_ops.gemv import gemv
+
+    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.float16) / 64 for _ in range(8)]
+    x0 = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
+    n = 64
+
+    res = {}
+    for use_pdl in (False, True):
+        def chain(use_pdl=use_pdl):
+            x = x0
+            for i in range(n):
+                x = gemv(x, ws[i % len(ws)], pdl=use_pdl)
+            return x
+
+        eager = statistics.median(cuda_time(chain, 10, 3)) / n
+        graph = graph_time([chain]) / n
+        tag = "pdl" if use_pdl else "nopdl"
+        res[tag] = {"eager_us": eager * 1e6, "graph_us": graph * 1e6, "graph_Bps": ws[0].nbytes / graph}
+        log(f"pdl_probe {tag}: eager {eager * 1e6:.2f} us, graph {graph * 1e6:.2f} us per 4096x4096 GEMV "
+            f"({ws[0].nbytes / graph / 1e12:.2f} TB/s)")
+    RESULT["pdl_probe"] = res
+
+
+# attn_sweep ---------------------------------------------------------------------------------------------------------
+# (batch, layers' KV rotated, contexts, split counts, configs (BLOCK_N, warps, stages, head_fastest)). Batch 1
+# around its known winners (many short splits on few warps); large batches at 1k and 2k context (offline 1k in /
+# 1k out decodes at 1-2k), ranked by the sum over both.
+ATTN_SWEEP = (
+    (1, 8, (1024,), (16, 32), [(bn, w, st, True) for bn in (32, 64, 128) for w in (2, 4) for st in (1, 2)]),
+    (64, 2, (1024, 2048), (1, 2), [(bn, w, st, hf) for bn in (64, 128) for w in (4, 8) for st in (2, 3)
+                                   for hf in (True, False)]),
+)
+
+
+def sweep_context(da, name: str, bs: int, n_layers: int, ctx: int, splits_list, configs, counters, res: list):
+    """Time every (split count, config) at one batch size and context; append the runs to ``res``."""
+    dtype, H, Hkv, D = attn_shape(name)
+    n_slots = bs * ctx + 1
+    kv = [(torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype),
+           torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype)) for _ in range(n_layers)]
+    r2t = (torch.arange(bs * ctx, device="cuda") + 1).view(bs, ctx)  # fresh allocations are consecutive
+    rows = torch.arange(bs, device="cuda")
+    seq = torch.full((bs,), ctx, device="cuda")
+    q = torch.randn(bs, H, D, device="cuda", dtype=dtype)
+    o = torch.empty_like(q)
+    nbytes = 2 * bs * ctx * Hkv * D * q.element_size()
+    for splits in splits_list:
+        mid_o = torch.empty(bs, H, splits, D, device="cuda", dtype=torch.float32)
+        mid_lse = torch.empty(bs, H, splits, device="cuda", dtype=torch.float32)
+        for c in configs:
+            try:
+                fns = [(lambda k=k, v=v: da.decode_attention_fwd(
+                    q, k, v, o, r2t, rows, seq, mid_o, mid_lse, splits, D**-0.5, c, merge_counters=counters,
+                    )) for k, v in kv]
+                t = graph_time(fns)
+            except Exception as e:  # noqa: BLE001 - a config may not compile (shared memory)
+                log(f"config {c} failed: {e!r}"[:200])
+                continue
+            res.append({"bs": bs, "ctx": ctx, "splits": splits, "config": list(c),
+                        "time_s": t, "Bps": nbytes / t})
+    del kv
+    torch.cuda.empty_cache()
+
+
+def rank_runs(res: list, bs: int, contexts) -> list[dict]:
+    """The (split count, config) pairs measured at every context of ``bs``, fastest first by the summed time."""
+    totals: dict = {}
+    for r in res:
+        if r["bs"] == bs:
+            key = (r["splits"], tuple(r["config"]))
+            totals.setdefault(key, []).append(r)
+    full = [rs for rs in totals.values() if len(rs) == len(contexts)]  # measured at every context
+    ranked = sorted(full, key=lambda rs: sum(r["time_s"] for r in rs))
+    best = [dict(rs[0], time_s=sum(r["time_s"] for r in rs), Bps=sum(r["Bps"] for r in rs) / len(rs))
+            for rs in ranked]
+    for r in best[:4] + best[-1:]:
+        log(f"attn bs={bs} splits={r['splits']} cfg={r['config']}: "
+            f"{r['time_s'] * 1e6:.1f} us over ctx {contexts}, mean {r['Bps'] / 1e12:.2f} TB/s")
+    return best
+
+
+@section("attn_sweep")
+def bench_attn_sweep(name: str):
+    """Decode attention alone (batch 1 at 1k context, 64 at 1k and 2k) over launch configs and split counts,
+    timed in CUDA graphs with the KV of several layers rotated (so nothing is served from L2), the merge of the
+    splits folded into stage 1 as the engine runs it. The fastest small- and large-batch configs, and the
+    fastest batch-1 split count (how many stage-1 programs decode aims for), go into this run's kernel-config
+    file (TUNED), which the engines made afterwards load."""
+    # Needs triton: deferred so that this module imports without it.
+    from sglang_backend.runtime.layers.attention.triton_ops import decode_attention as da
+
+    _, H, Hkv, _ = attn_shape(name)
+    res = []
+    chosen = {}
+    counters = torch.zeros(64 * H, dtype=torch.int32, device="cuda")
+    for bs, n_layers, contexts, splits_list, configs in ATTN_SWEEP:
+        for ctx in contexts:
+            sweep_context(da, name, bs, n_layers, ctx, splits_list, configs, counters, res)
+        best = rank_runs(res, bs, contexts)
+        size = "small" if bs == 1 else "large"
+        chosen[size] = best[0]["config"]
+        if bs == 1:  # the engine's split count at batch 1 becomes the winner's
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            TUNED["target_programs_per_sm"] = best[0]["splits"] * Hkv / sms
+    table_key = "decode_mha" if H == Hkv else "decode_gqa"
+    TUNED[table_key] = {**TUNED.get(table_key, {}), **chosen}
+    with open(PATHS.kernel_config, "w") as f:
+        json.dump(TUNED, f, indent=1)
+    log(f"decode attention configs now {TUNED[table_key]}; target_programs_per_sm = "
+        f"{TUNED['target_programs_per_sm']:.2f} (kernel config {PATHS.kernel_config})")
+    RESULT["attn_sweep"] = {"runs": res, "chosen": chosen, "kernel_config": dict(TUNED),
+                            "target_programs_per_sm": TUNED["target_programs_per_sm"]}
+
+
+# attn_layout --------------------------------------------------------------------------------------------------------
+def _flashinfer_decode(q, kv, r2t, dtype, sm_scale, tensor_cores: bool):
+    """A FlashInfer paged decode over the same pool (one-token pages), planned once; None without the package."""
+    try:
+        import flashinfer  # optional dependency: the comparison is skipped without it
+    except ImportError:
+        return None
+    bs, ctx = r2t.shape
+    H, D = q.shape[1], q.shape[2]
+    Hkv = kv[0][0].shape[1]
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+    w.plan(torch.arange(bs + 1, dtype=torch.int32) * ctx, r2t.flatten().to(torch.int32),
+           torch.ones(bs, dtype=torch.int32), H, Hkv, D, 1, q_data_type=dtype, kv_data_type=dtype, sm_scale=sm_scale)
+    return [(lambda k=k, v=v: w.run(q, (k.unsqueeze(1), v.unsqueeze(1)))) for k, v in kv]
+
+
+def kv_layouts(bs: int, ctx: int, prompt: int) -> dict:
+    """Request-to-slot tables: every request's slots consecutive, and the engine's (prompt consecutive, then
+    one slot per request per decode step, interleaved across the batch)."""
+    layouts = {"consecutive": (torch.arange(bs * ctx, device="cuda") + 1).view(bs, ctx)}
+    t = torch.arange(ctx, device="cuda")
+    b = torch.arange(bs, device="cuda")[:, None]
+    layouts["engine"] = torch.where(t < prompt, 1 + b * prompt + t, 1 + bs * prompt + (t - prompt) * bs + b)
+    return layouts
+
+
+def layout_kernels(ours, q, kv, r2t, dtype, sm_scale) -> dict:
+    """name -> (output tensor or None when the call returns it, per-layer callables): ours, then FlashInfer's
+    decode without and with tensor cores where it runs."""
+    kernels = {"ours": ours}
+    for tc in (False, True):
+        try:
+            fns = _flashinfer_decode(q, kv, r2t, dtype, sm_scale, tc)
+        except Exception as e:  # noqa: BLE001 - keep our figures
+            log(f"flashinfer (tensor cores {tc}) failed: {e!r}"[:300])
+            fns = None
+        if fns is not None:
+            kernels["flashinfer" + ("_tc" if tc else "")] = (None, fns)
+    return kernels
+
+
+def time_layout_kernels(lname: str, kernels: dict, n_layers: int, nbytes: int, res: dict):
+    """Eager time per layer of each kernel (layers rotated) and its largest difference from ours."""
+    outs = {}
+    for kname, (o, fns) in kernels.items():
+        def all_layers(fns=fns):
+            for f in fns:
+                f()
+        dt = statistics.median(cuda_time(all_layers, 10, 3)) / n_layers
+        out = fns[0]() if o is None else (fns[0](), o)[1]
+        outs[kname] = out.float().clone()
+        err = (outs[kname] - outs["ours"]).abs().max().item() if kname != "ours" else 0.0
+        res[f"{lname}_{kname}"] = {"time_s": dt, "Bps": nbytes / dt, "max_abs_diff_vs_ours": err}
+        log(f"attn_layout {lname:12s} {kname:14s}: {dt * 1e6:7.1f} us/layer = {nbytes / dt / 1e12:.2f} TB/s"
+            f" (max |diff| vs ours {err:.2e})")
+
+
+@section("attn_layout")
+def bench_attn_layout(name: str):
+    """Decode attention at the offline 1k/1k shape (batch 56, 1.5k context) as the engine lays its KV out: the
+    1024 prompt tokens of each request in consecutive slots, the decoded ones interleaved across the batch (each
+    step allocates one slot per request), vs every request's slots consecutive (what attn_sweep times). Our
+    kernel and FlashInfer's decode (when installed, with and without tensor cores) over the same pool, all eager
+    with 4 layers' KV rotated; outputs compared with ours."""
+    # Need triton: deferred so that this module imports without it.
+    from sglang_backend.runtime.layers.attention import triton_backend as tb
+    from sglang_backend.runtime.layers.attention.triton_ops import decode_attention as da
+
+    dtype, H, Hkv, D = attn_shape(name)
+    bs, ctx, prompt, n_layers = 56, 1536, 1024, 4
+    n_slots = bs * ctx + 1
+    kv = [(torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype),
+           torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype)) for _ in range(n_layers)]
+    rows = torch.arange(bs, device="cuda")
+    seq = torch.full((bs,), ctx, device="cuda")
+    q = torch.randn(bs, H, D, device="cuda", dtype=dtype)
+    nbytes = 2 * bs * ctx * Hkv * D * q.element_size()
+    counters = torch.zeros(bs * H, dtype=torch.int32, device="cuda")
+    # The engine's split count and scratch for this batch size (no cascade: nothing is shared).
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = KernelConfigs.from_json(TUNED) if TUNED else load_kernel_configs("cuda")
+    # one stage-1 program per (request, KV head, split)
+    splits = tb.num_kv_splits(bs, Hkv, sms, configs.target_programs_per_sm)
+    mid_o = torch.empty(bs, H, splits, D, device="cuda", dtype=torch.float32)
+    mid_lse = torch.empty(bs, H, splits, device="cuda", dtype=torch.float32)
+    res = {}
+    for lname, r2t in kv_layouts(bs, ctx, prompt).items():
+        o = torch.empty_like(q)
+        ours = (o, [(lambda k=k, v=v: da.decode_attention_fwd(
+            q, k, v, o, r2t, rows, seq, mid_o, mid_lse, splits, D**-0.5, merge_counters=counters,
+            configs=configs)) for k, v in kv])
+        time_layout_kernels(lname, layout_kernels(ours, q, kv, r2t, dtype, D**-0.5), n_layers, nbytes, res)
+    RESULT["attn_layout"] = {"bs": bs, "ctx": ctx, "prompt": prompt, "splits": splits, "runs": res}
+    del kv
+    torch.cuda.empty_cache()
+
+
+# gemv_sweep ---------------------------------------------------------------------------------------------------------
+GEMV_CONFIGS = [(8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 3), (4, 1024, 4, 3), (16, 256, 4, 2),
+                (32, 128, 4, 3), (64, 128, 8, 3), (8, 1024, 8, 2)]
+
+
+def gemv_shape_row(gemv, n: int, k: int, dtype) -> dict:
+    """Bytes per second of cuBLAS and of each Triton GEMV config for one (n, k) weight (3 weights rotated)."""
+    ws = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(3)]
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    j = [0]
+
+    def run(f):
+        def g():
+            f(ws[j[0] % 3])
+            j[0] += 1
+        return g
+
+    nbytes = n * k * x.element_size()
+    row = {"cublas": nbytes / statistics.median(cuda_time(run(lambda w: F.linear(x, w)), 30, 5))}
+    for c in GEMV_CONFIGS:
+        try:
+            row[str(c)] = nbytes / statistics.median(cuda_time(run(lambda w: gemv(x, w, config=c)), 30, 5))
+        except Exception as e:  # noqa: BLE001
+            log(f"gemv {c} failed: {e!r}"[:200])
+    del ws
+    return row
+
+
+@section("gemv_sweep")
+def bench_gemv_sweep(name: str):
+    """Single-row linears (decode at batch 1): cuBLAS vs the Triton GEMV, weights rotated past the L2."""
+    # Needs triton: deferred so that this module imports without it.
+    from sglang_backend.runtime.layers.attention.triton_ops.gemv import gemv
+
+    cfg = MODELS[name]["config"]
+    dtype = getattr(torch, MODELS[name]["dtype"])
+    h, i, H, Hkv, V = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
+                       cfg["num_key_value_heads"], cfg["vocab_size"])
+    D = h // H
+    shapes = {"qkv": ((H + 2 * Hkv) * D, h), "o": (h, H * D), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (V, h)}
+    res = {}
+    for sname, (n, k) in shapes.items():
+        row = gemv_shape_row(gemv, n, k, dtype)
+        best = max((kk for kk in row if kk != "cublas"), key=lambda kk: row[kk])
+        log(f"gemv {sname} {n}x{k}: cublas {row['cublas'] / 1e12:.2f} TB/s; best triton {best} "
+            f"{row[best] / 1e12:.2f} TB/s")
+        res[sname] = row
+    RESULT["gemv_sweep"] = res
