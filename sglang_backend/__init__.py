@@ -4,6 +4,8 @@ The DSL keeps upstream SGLang's names: ``import sglang_backend as sgl`` runs pro
 ``import sglang as sgl``.
 """
 
+import importlib
+
 from .lang.api import (
     assistant,
     assistant_begin,
@@ -45,8 +47,6 @@ _LAZY = {
 def __getattr__(name):
     # Heavy imports (torch, transformers, requests) only when used.
     if name in _LAZY:
-        import importlib
-
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'sglang_backend' has no attribute {name!r}")

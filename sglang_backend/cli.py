@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+
+from . import __version__
+from .runtime.server_args import ServerArgs
+from .utils import die_with_parent_if_requested
 
 
 NEXT_STEPS = """\
@@ -17,8 +24,8 @@ Next steps:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    # The runtime imports torch and transformers (seconds): deferred so --help and --version stay instant.
     from .runtime.engine import Engine
-    from .runtime.server_args import ServerArgs
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")  # an application
     print(f"loading {args.model_path or 'the embedded SmolLM2-135M-Instruct'} ...", flush=True)
@@ -52,10 +59,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # Deferred: the runtime imports torch (see cmd_demo).
     from .runtime.entrypoints.http_server import launch_server
-    from .runtime.server_args import ServerArgs
 
-    if args.dp > 1:
+    if args.dp > 1:  # data parallelism needs the router (sglang-router), imported only here
         from .runtime.distributed.data_parallel import serve_dp
 
         return serve_dp(ServerArgs.from_cli_args(args), args.dp, args.router_policy)
@@ -65,11 +72,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(argv: list[str]) -> int:
     """The benchmark suite (benchmarks/suite in the repo); its own parser handles --help."""
-    try:
+    try:  # benchmarks/ is a sibling of the package in a source checkout, not part of the installed package
         from benchmarks.suite.main import main as bench_main
     except ImportError:
-        import os
-
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
         from benchmarks.suite.main import main as bench_main
     rows = bench_main(argv)
@@ -78,21 +83,14 @@ def cmd_bench(argv: list[str]) -> int:
 
 def version() -> str:
     """The installed distribution's version, else the package's own ``__version__`` (a source checkout)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
     try:
         return dist_version("sglang-backend")
     except PackageNotFoundError:
-        from . import __version__
-
         return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs a command; Ctrl-C ends it with one line on stderr and status 130 (no traceback)."""
-    from .utils import die_with_parent_if_requested
-
     die_with_parent_if_requested()  # SGLANG_BACKEND_DIE_WITH_PARENT=1: as early as possible (see utils)
     try:
         return _main(sys.argv[1:] if argv is None else argv)
@@ -102,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from .runtime.server_args import ServerArgs
-
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
     parser = argparse.ArgumentParser(prog="sglang-backend", description=__doc__)

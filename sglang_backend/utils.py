@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
+import multiprocessing
 import os
 import signal
 import sys
@@ -34,8 +36,6 @@ def _pdeathsig_setter() -> Callable[[], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        import ctypes
-
         prctl = ctypes.CDLL(None, use_errno=True).prctl  # the process's own libc (glibc or musl)
     except (OSError, AttributeError):
         return None
@@ -68,14 +68,10 @@ def die_with_parent(expected_parent_pid: int | None = None, *, ignore_sigint: bo
         except ValueError:  # not the main thread: leave SIGINT alone
             pass
     if expected_parent_pid is None:
-        import multiprocessing
-
         parent = multiprocessing.parent_process()
         expected_parent_pid = parent.pid if parent is not None else os.getppid()
     set_pdeathsig = _pdeathsig_setter() if pdeathsig else None
     if set_pdeathsig is not None and set_pdeathsig() != 0:
-        import ctypes
-
         print(f"sglang-backend: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
     if os.getppid() != expected_parent_pid:  # the parent died before the prctl: we have been re-parented
         os._exit(1)
@@ -124,8 +120,6 @@ def release_freed_memory() -> None:
 def _malloc_trim():
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
-
     try:
         return ctypes.CDLL(None).malloc_trim  # the process's own symbols include libc's
     except (OSError, AttributeError):  # musl has no malloc_trim
@@ -141,8 +135,6 @@ def time_limit(seconds: float) -> Iterator[None]:
     """Interrupts the Python code of this block (an asynchronous ``TimeLimitExceeded`` in this thread) once it has
     run ``seconds``. Only bytecode is interrupted: a single long C call finishes first. For code that has no
     budget of its own, such as a Jinja template's loops."""
-    import ctypes
-
     tid = ctypes.c_ulong(threading.get_ident())
     lock = threading.Lock()
     state = {"done": False, "fired": False}

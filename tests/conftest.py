@@ -2,6 +2,12 @@
 
 Every engine fixture checks after each test that the KV pool is whole: free + evictable == total, no locked
 radix nodes, all request slots free.
+
+Memory: an in-process engine holds its model and a 512 MiB KV pool, so none outlives its last user. The shared
+engines (``tiny_engine``, ``smollm_engine``) live while consecutive modules use them and are shut down after the
+last of the run (see ``SharedEngines``); a module's own engines are shut down by its fixtures. After each module
+``_module_memory`` collects garbage, hands freed heap back to the OS and records the RSS: the closing lines list
+it per module and name any Engine or Scheduler that outlived the module that made it (tests/memory_report.py).
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from typing import Callable
 
 import pytest
 import torch
@@ -26,9 +33,14 @@ PEAK_RSS_WARN_GIB = 12
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The suite's memory: peak RSS of this pytest process and of the largest test server (all its processes)."""
+    """The suite's memory: RSS after each module, engines that outlived their module, and the peak RSS of this
+    pytest process and of the largest test server (all its processes)."""
     from tests import memory_report
 
+    for line in memory_report.module_lines():
+        terminalreporter.write_line(line)
+    for warning in memory_report.leak_warnings:
+        terminalreporter.write_line(f"warning: {warning}", yellow=True)
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
     servers = memory_report.server_peaks_kib
@@ -38,6 +50,92 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(line)
     if own > PEAK_RSS_WARN_GIB:
         terminalreporter.write_line(f"warning: pytest's peak RSS is over {PEAK_RSS_WARN_GIB} GiB", yellow=True)
+
+
+class SharedEngines:
+    """Engines that test modules share (SmolLM2 takes seconds to load), one per fixture name.
+
+    Built by the first module that uses it, kept while the next module uses it too, and shut down and dropped
+    at the end of the last module of such a run: so besides a module's own engines only the shared engines the
+    current module uses are alive, never one that waits through unrelated modules for a later user.
+    """
+
+    def __init__(self):
+        self.engines: dict[str, object] = {}
+        self.next_item = None  # the test after the one being torn down (set by pytest_runtest_teardown)
+        self._module_fixtures: dict[str, set[str]] = {}  # item nodeid -> fixtures used anywhere in its module
+        self._planned_for = None
+
+    def _fixtures_of_module_of(self, item) -> set[str]:
+        items = item.session.items
+        if self._planned_for is not items:  # the final list (after -k/-m/--lf), computed once
+            self._module_fixtures, self._planned_for = {}, items
+            run: list = []
+            for i, it in enumerate(items):
+                run.append(it)
+                if i + 1 == len(items) or items[i + 1].getparent(pytest.Module) is not it.getparent(pytest.Module):
+                    names = set().union(*(r.fixturenames for r in run))
+                    self._module_fixtures.update((r.nodeid, names) for r in run)
+                    run = []
+        return self._module_fixtures.get(item.nodeid, set(item.fixturenames))
+
+    def use(self, name: str, build: Callable[[], object]):
+        """Body of a module-scoped fixture: yields the shared engine ``name``, built with ``build()`` if needed."""
+        if name not in self.engines:
+            self.engines[name] = build()
+        yield self.engines[name]
+        nxt = self.next_item
+        if nxt is None or name not in self._fixtures_of_module_of(nxt):
+            self.release(name)
+
+    def release(self, name: str) -> None:
+        engine = self.engines.pop(name, None)
+        if engine is not None:
+            engine.shutdown()  # the memory goes with the last reference (pytest drops its own after this)
+
+    def alive_ids(self) -> set[int]:
+        return {id(e) for e in self.engines.values()}
+
+
+SHARED_ENGINES = SharedEngines()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    SHARED_ENGINES.next_item = nextitem
+
+
+_ended_modules: list[str] = []  # modules torn down, not yet measured
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_memory(request):
+    """After each module: its garbage collected, freed heap handed back, RSS and live engines recorded for the
+    closing lines. Done once the protocol of the module's last test is over (pytest_runtest_protocol below):
+    until then that test's arguments, an engine among them, are still referenced."""
+    yield
+    _ended_modules.append(request.node.nodeid)
+
+
+def _measure_ended_modules() -> None:
+    from tests import memory_report
+
+    while _ended_modules:
+        memory_report.end_module(_ended_modules.pop(0), SHARED_ENGINES.alive_ids())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    _measure_ended_modules()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """After pytest's own teardown of what is left (a run stopped early by -x or a failing fixture)."""
+    for name in list(SHARED_ENGINES.engines):
+        SHARED_ENGINES.release(name)
+    _measure_ended_modules()
 
 
 def _tiny_dir(tmp_path_factory, name: str, **overrides) -> str:
@@ -74,18 +172,16 @@ def make_engine(model_path: str, **kwargs):
     return Engine(model_path=model_path, **kwargs)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_engine(tiny_gqa_dir):
-    engine = make_engine(tiny_gqa_dir)
-    yield engine
-    engine.shutdown()
+    """Shared by consecutive modules (see SharedEngines)."""
+    yield from SHARED_ENGINES.use("tiny_engine", lambda: make_engine(tiny_gqa_dir))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm_engine(smollm_dir):
-    engine = make_engine(smollm_dir)
-    yield engine
-    engine.shutdown()
+    """Shared by consecutive modules (see SharedEngines)."""
+    yield from SHARED_ENGINES.use("smollm_engine", lambda: make_engine(smollm_dir))
 
 
 @pytest.fixture(autouse=True)
@@ -97,9 +193,9 @@ def _pool_whole_after_test(request):
             request.getfixturevalue(name).check_pool_whole()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_model_cache():
-    """HF reference models loaded once per directory."""
+    """HF reference models loaded once per directory (and module: one module uses them)."""
     from transformers import AutoModelForCausalLM
 
     cache: dict[str, object] = {}
@@ -109,4 +205,5 @@ def hf_model_cache():
             cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return cache[path]
 
-    return get
+    yield get
+    cache.clear()

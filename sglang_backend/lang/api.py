@@ -4,12 +4,16 @@ with only the import changed)."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from tqdm import tqdm
+
 from .choices import token_length_normalized
-from .interpreter import ProgramState, run_program
+from .interpreter import ProgramState, StreamExecutor, run_program
 from .ir import (
     REGEX_INT,
     REGEX_STR,
@@ -25,6 +29,7 @@ from .ir import (
     SglVideo,
     _to_expr,
 )
+from .tracer import TracerProgramState, substitute, trace_program
 
 _default_backend = None
 PREFIX_CACHE_MIN_CHARS = 64  # run_batch pre-caches a constant prefix at least this long
@@ -122,8 +127,6 @@ class SglFunction:
         with ThreadPoolExecutor(max(1, int(num_threads))) as pool:
             futures = [pool.submit(one, kw) for kw in batch_kwargs]
             if progress_bar:
-                from tqdm import tqdm
-
                 for _ in tqdm(futures, total=len(futures), desc=f"run_batch {self.func.__name__}"):
                     _.result()
             return [f.result() for f in futures]
@@ -132,8 +135,6 @@ class SglFunction:
         """Pre-caches the constant prefix every instance starts with, once, before ``n`` instances fan out."""
         if not getattr(backend, "fork_hints", True) or n < 2:
             return
-        from .tracer import trace_program
-
         try:
             prefix = trace_program(self, self.bind_arguments, partial=True).constant_prefix(backend.get_chat_template())
         except Exception:  # noqa: BLE001 - programs that cannot be traced just skip the hint
@@ -143,8 +144,6 @@ class SglFunction:
 
     def trace(self, *, backend=None, **kwargs):
         """The program's dataflow graph (arguments not given become placeholders)."""
-        from .tracer import trace_program
-
         return trace_program(self, {**self.bind_arguments, **kwargs})
 
     def compile(self, *, backend=None) -> "CompiledFunction":
@@ -153,8 +152,6 @@ class SglFunction:
     def __call__(self, *args, **kwargs):
         """``prog(...)`` runs the program (as upstream); ``prog(s, ...)`` with a program state first inlines
         it into that state, so functions nest."""
-        from .tracer import TracerProgramState
-
         if args and isinstance(args[0], (ProgramState, TracerProgramState)):
             # Same thread, same state: the callee's appends queue up in order with the caller's.
             self.func(args[0], *args[1:], **{**self.bind_arguments, **kwargs})
@@ -171,9 +168,6 @@ class CompiledFunction:
         self.backend = backend
 
     def run(self, *, backend=None, **kwargs) -> ProgramState:
-        from .interpreter import StreamExecutor
-        from .tracer import substitute
-
         missing = [a for a in self.graph.arguments if a not in kwargs]
         if missing:
             raise TypeError(f"compiled program is missing arguments {missing}")
@@ -216,15 +210,11 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         return SglSelect(name, choices, 0.0 if temperature is None else temperature,
                          choices_method or token_length_normalized)
     if regex is not None:
-        import re
-
         try:
             re.compile(regex)
         except re.error as e:
             raise ValueError(f"gen({name!r}): invalid regex {regex!r}: {e}") from None
     if json_schema is not None and not isinstance(json_schema, str):
-        import json
-
         json_schema = json.dumps(json_schema)
     params = SglSamplingParams(max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=stop,
                                stop_token_ids=stop_token_ids, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -6,6 +6,7 @@ a hang.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import uuid
@@ -231,8 +232,6 @@ class StreamExecutor:
     def _spec_gen(self, params: SglSamplingParams) -> tuple[str, dict]:
         """Serves a gen from speculated text, generating ahead (without stop, num_api_spec_tokens long)
         when there is none. Lengths are cut in characters, as the speculation is text."""
-        import dataclasses
-
         meta: dict = {"speculative": True}
         if not self.spec_text:
             ahead = dataclasses.replace(params, stop=None,

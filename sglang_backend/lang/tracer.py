@@ -7,6 +7,7 @@ operations with real arguments.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,8 +163,6 @@ def trace_program(program, kwargs: dict, partial: bool = False) -> TracedProgram
     """The program's graph with placeholders for missing arguments. ``partial=True``: a program whose control
     flow needs a real argument (``for x in arg``, ``s.fork(arg)``) is traced up to that point instead of
     failing; the ops before it are the same for every run, which is all a constant prefix needs."""
-    import inspect
-
     graph = TracedProgram()
     params = list(inspect.signature(program.func).parameters)[1:]
     args = {}

@@ -34,7 +34,18 @@ def _no_dspy_cache():
 def engine_lm():
     lm = SGLangLM(max_tokens=MAXTOK, engine_kwargs={"log_level": "warning"}, **BOUNDS)
     yield lm
-    lm.runtime.check_pool_whole()
+    runtime = lm.runtime
+    try:
+        runtime.check_pool_whole()
+    finally:
+        # SGLangLM keeps its in-process engine in a process-wide cache (sglang_dspy.lm._ENGINES) for later
+        # SGLangLMs: no other module uses it, so it goes now (SmolLM2 + its KV pool, over 1 GiB).
+        import sglang_dspy.lm as dspy_lm
+
+        with dspy_lm._ENGINES_LOCK:
+            for key in [k for k, e in dspy_lm._ENGINES.items() if e is runtime]:
+                del dspy_lm._ENGINES[key]
+        runtime.shutdown()
 
 
 @pytest.fixture(params=["engine", "server"])

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dspy
+from dspy.clients.base_lm import LM_CLASS_STATE_KEY
 from dspy.lm15 import (
     ContextLengthError,
     InvalidRequestError,
@@ -46,6 +47,7 @@ from dspy.lm15 import (
     Usage,
     response_to_events,
 )
+from sglang_backend import Engine
 
 from .constraints import constraint_for, parse_tool_calls, tools_prompt, with_tool_calls
 
@@ -62,8 +64,6 @@ def _shared_runtime(model_path: str | None, engine_kwargs: dict) -> Any:
     with _ENGINES_LOCK:
         eng = _ENGINES.get(key)
         if eng is None:
-            from sglang_backend import Engine
-
             eng = Engine(model_path=model_path, **engine_kwargs)
             _ENGINES[key] = eng
         return eng
@@ -243,7 +243,7 @@ class _HTTPBackend:
     """Our server's OpenAI-compatible chat endpoint (the chat template is applied server-side)."""
 
     def __init__(self, base_url: str, api_key: str | None, timeout: float):
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -252,7 +252,7 @@ class _HTTPBackend:
         self.hints = _HintRegistry()
 
     def _post(self, path: str, body: dict) -> dict:
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         try:
             r = self.client.post(path, json=body)
@@ -576,8 +576,6 @@ class SGLangLM(dspy.LM):
 
     # State (API keys are never saved) ---------------------------------------------------------------------------
     def dump_state(self) -> dict[str, Any]:
-        from dspy.clients.base_lm import LM_CLASS_STATE_KEY
-
         keep = {k: v for k, v in self.kwargs.items() if k != "api_key"}
         state = {LM_CLASS_STATE_KEY: f"{type(self).__module__}.{type(self).__qualname__}", "model": self.model,
                  "cache": self.cache, "num_retries": self.num_retries, **keep, **self._init_args,
@@ -587,7 +585,5 @@ class SGLangLM(dspy.LM):
 
     @classmethod
     def load_state(cls, state: dict[str, Any], *, allow_custom_lm_class: bool = False, api_key: str | None = None):
-        from dspy.clients.base_lm import LM_CLASS_STATE_KEY
-
         state = {k: v for k, v in state.items() if k not in (LM_CLASS_STATE_KEY, "model_type")}
         return cls(api_key=api_key, **state)

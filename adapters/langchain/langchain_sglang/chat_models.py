@@ -32,7 +32,12 @@ from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
-from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.chat_models import (
+    BaseChatModel,
+    LangSmithParams,
+    agenerate_from_stream,
+    generate_from_stream,
+)
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -68,6 +73,7 @@ def get_engine(model_path: str | None = None, **engine_kwargs):
     key = model_path or "<embedded>"
     with _ENGINES_LOCK:
         if key not in _ENGINES:
+            # deferred: the Engine imports torch, which HTTP-only use never needs
             from sglang_backend import Engine
 
             _ENGINES[key] = Engine(model_path=model_path, **engine_kwargs)
@@ -452,12 +458,12 @@ class ChatSGLang(BaseChatModel):
         return self.base_url.rstrip("/") + path
 
     def _http_timeout(self):
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         return httpx.Timeout(self.timeout if self.timeout is not None else 600.0)
 
     def _retrying(self, fn: Callable[[], Any]) -> Any:
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         for attempt in range(self.max_retries + 1):
             try:
@@ -468,7 +474,7 @@ class ChatSGLang(BaseChatModel):
                 time.sleep(min(0.5 * 2 ** attempt, 4.0))
 
     async def _aretrying(self, fn: Callable[[], Any]) -> Any:
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         for attempt in range(self.max_retries + 1):
             try:
@@ -505,7 +511,7 @@ class ChatSGLang(BaseChatModel):
             prompt = self.engine.apply_chat_template(req.messages)
             out = self.engine.generate(prompt, req.sampling)
             return out["text"], self._meta_from_engine(out)
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         def call():
             with httpx.Client(timeout=self._http_timeout()) as c:
@@ -523,7 +529,7 @@ class ChatSGLang(BaseChatModel):
             prompt = self.engine.apply_chat_template(req.messages)
             out = await self.engine.async_generate(prompt, req.sampling)
             return out["text"], self._meta_from_engine(out)
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         async def call():
             async with httpx.AsyncClient(timeout=self._http_timeout()) as c:
@@ -547,7 +553,7 @@ class ChatSGLang(BaseChatModel):
                     yield chunk["text"], None
             yield "", (self._meta_from_engine(last) if last else None)
             return
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         finish, usage_obj = None, {}
         with httpx.Client(timeout=self._http_timeout()) as c:
@@ -572,7 +578,7 @@ class ChatSGLang(BaseChatModel):
                     yield chunk["text"], None
             yield "", (self._meta_from_engine(last) if last else None)
             return
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         finish, usage_obj = None, {}
         async with httpx.AsyncClient(timeout=self._http_timeout()) as c:
@@ -623,8 +629,6 @@ class ChatSGLang(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         if self.streaming and not kwargs.get("tools"):
-            from langchain_core.language_models.chat_models import generate_from_stream
-
             return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
         req = self._prepare(messages, stop, **kwargs)
         text, meta = self._complete(req)
@@ -633,8 +637,6 @@ class ChatSGLang(BaseChatModel):
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         if self.streaming and not kwargs.get("tools"):
-            from langchain_core.language_models.chat_models import agenerate_from_stream
-
             return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
         req = self._prepare(messages, stop, **kwargs)
         text, meta = await self._acomplete(req)
@@ -718,7 +720,7 @@ class ChatSGLang(BaseChatModel):
         common = _common_prefix([r.messages for r in hs.reqs])
         if not common:
             return 0
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         body = {"messages": common, "max_tokens": 1, "temperature": 0, "continue_final_message": True}
         try:
@@ -737,7 +739,7 @@ class ChatSGLang(BaseChatModel):
         common = _common_prefix([r.messages for r in hs.reqs])
         if not common:
             return 0
-        import httpx
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         body = {"messages": common, "max_tokens": 1, "temperature": 0, "continue_final_message": True}
         try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Iterator
 
 from ..chat_template import ChatTemplate, guess_chat_template
-from ..choices import ChoicesDecision, normalized_logprob
-from ..ir import SglSamplingParams
+from ..choices import ChoicesDecision, normalized_logprob, token_length_normalized
+from ..ir import SglSamplingParams, SglVideo
 
 
 class BaseBackend:
@@ -49,10 +49,8 @@ class NativeAPIBackend(BaseBackend):
 
     def append_image(self, s, expr) -> None:
         """``image(x)`` adds one placeholder; ``video(path, n)`` adds n, one per evenly sampled frame."""
-        from ..ir import SglVideo
-
         if isinstance(expr, SglVideo):
-            from ...runtime.multimodal.video import load_video_frames
+            from ...runtime.multimodal.video import load_video_frames  # deferred: the runtime imports torch
 
             frames = load_video_frames(expr.path, expr.num_frames)
         else:
@@ -118,8 +116,6 @@ class NativeAPIBackend(BaseBackend):
             yield "", meta
 
     def select(self, s, choices: list[str], temperature: float, choices_method) -> ChoicesDecision:
-        from ..choices import token_length_normalized
-
         choices_method = choices_method or token_length_normalized
         if s.images_:
             raise NotImplementedError("select() after image()/video() is not supported (it scores prompt "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..chat_template import guess_chat_template
+from ..chat_template import get_chat_template, guess_chat_template
 from .base import NativeAPIBackend
 
 _ENGINE_ARGS = ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
@@ -13,14 +13,12 @@ class EngineBackend(NativeAPIBackend):
     def __init__(self, engine=None, chat_template: str | None = None, fork_hints: bool = True, **engine_kwargs):
         self.fork_hints = fork_hints  # False: no prefix hints before forks, selects and run_batch (ablation)
         if engine is None:
-            from ...runtime.engine import Engine
+            from ...runtime.engine import Engine  # deferred: the DSL imports without torch until a backend runs
 
             engine = Engine(**engine_kwargs)
         self.engine = engine
         if getattr(engine, "mm_processor", None) is not None:
             self.image_token = engine.mm_processor.image_token
-        from ..chat_template import get_chat_template
-
         self.chat_template = (get_chat_template(chat_template) if chat_template else
                               guess_chat_template(getattr(engine.tokenizer, "chat_template", None), engine.model_dir))
 

@@ -31,7 +31,7 @@ class OpenAI(BaseBackend):
 
     def __init__(self, model_name: str, is_chat_model: bool | None = None, chat_template: str | None = None,
                  base_url: str | None = None, api_key: str | None = None, **client_kwargs):
-        import openai
+        import openai  # optional dependency: only this backend needs it
 
         self.model_name = model_name
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "EMPTY", **client_kwargs)

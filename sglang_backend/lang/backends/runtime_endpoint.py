@@ -13,6 +13,7 @@ import time
 import requests
 
 from ... import environ
+from ...runtime.server_args import ServerArgs
 from ..chat_template import get_chat_template, guess_chat_template
 from .base import NativeAPIBackend
 
@@ -44,7 +45,7 @@ class RuntimeEndpoint(NativeAPIBackend):
     def tokenizer(self):
         """The server's tokenizer, loaded from its model path when that path is readable from here."""
         if self._tokenizer is None:
-            from ...runtime.model_loader.loader import load_tokenizer
+            from ...runtime.model_loader.loader import load_tokenizer  # deferred: transformers is slow to import
 
             self._tokenizer = load_tokenizer(self.model_info["tokenizer_path"])
         return self._tokenizer
@@ -71,7 +72,7 @@ class RuntimeEndpoint(NativeAPIBackend):
     def _encode_images(self, images: list) -> list:
         """Local files and in-memory images (video frames) travel as PNG data URLs: the server does not read
         the client's files. Strings that are not local files (data URLs, base64) pass through."""
-        from ...runtime.multimodal.image import encode_image_data_url, load_image
+        from ...runtime.multimodal.image import encode_image_data_url, load_image  # deferred: imports PIL
 
         return [item if isinstance(item, str) and not os.path.isfile(item)
                 else encode_image_data_url(load_image(item, allow_local_media=True)) for item in images]
@@ -112,8 +113,6 @@ class Runtime(RuntimeEndpoint):
     """Launches ``sglang-backend serve`` with the given ServerArgs fields; ``shutdown()`` stops it."""
 
     def __init__(self, model_path: str | None = None, startup_timeout: float = 600, **server_kwargs):
-        from ...runtime.server_args import ServerArgs
-
         server_kwargs.setdefault("port", _free_port())
         args = ServerArgs.from_kwargs(model_path=model_path, **server_kwargs)
         cmd = [sys.executable, "-m", "sglang_backend.cli", "serve"]

@@ -17,6 +17,13 @@ import tempfile
 import time
 
 import torch
+from transformers import AutoTokenizer
+
+from ..model_loader.embedded import default_model_path
+from .grammar import GrammarCache, fill_masks, retokenize_jump_forward
+from .json_schema import build_regex_from_schema
+from .regex_fsm import compile_regex
+from .token_index import TokenVocabulary, build_token_index
 
 BENCH_SCHEMA = {
     "type": "object",
@@ -49,16 +56,7 @@ def _us(fn, n: int, device: str = "cpu") -> float:
 
 
 def run(model_path: str | None = None, threads: int = 1, device: str = "cpu") -> dict:
-    from transformers import AutoTokenizer
-
-    from .grammar import GrammarCache, fill_masks, retokenize_jump_forward
-    from .json_schema import build_regex_from_schema
-    from .regex_fsm import compile_regex
-    from .token_index import TokenVocabulary, build_token_index
-
     if model_path is None:
-        from sglang_backend.runtime.model_loader.embedded import default_model_path
-
         model_path = default_model_path()
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -60,7 +60,8 @@ import torch
 from ...utils import release_freed_memory
 from . import budget as grammar_budget
 from .compressed_fsm import CompressedFSM
-from .json_schema import build_regex_from_schema
+from .json_schema import build_regex_from_schema, schema_from_pydantic
+from .llguidance_backend import LLGuidanceCompiler
 from .regex_fsm import ByteDFA
 from .token_index import TokenIndex, TokenIndexCache, TokenVocabulary, get_vocabulary
 
@@ -323,8 +324,6 @@ def _normalise_spec(kind: str, spec: Any) -> tuple[str, str]:
     if isinstance(spec, (dict, bool)):
         return k, json.dumps(spec, ensure_ascii=False)
     if isinstance(spec, type) or hasattr(spec, "model_json_schema"):
-        from .json_schema import schema_from_pydantic
-
         return k, json.dumps(schema_from_pydantic(spec), ensure_ascii=False)
     if isinstance(spec, bytes):
         spec = spec.decode("utf-8", errors="replace")
@@ -362,8 +361,6 @@ class GrammarCache:
         self._llguidance = None  # context-free (ebnf) grammars: llguidance_backend, built on first use
 
     def _ebnf(self, spec: str):
-        from .llguidance_backend import LLGuidanceCompiler
-
         with self._lock:
             if self._llguidance is None:
                 self._llguidance = LLGuidanceCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)

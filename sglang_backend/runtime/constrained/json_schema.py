@@ -42,7 +42,11 @@ import math
 import re
 from typing import Any
 
+import interegular
+from interegular import patterns as P
+
 from . import budget as _budget
+from .regex_fsm import _preprocess
 
 __all__ = ["build_regex_from_schema", "schema_from_pydantic", "STRING_CHAR", "WHITESPACE_DEFAULT"]
 
@@ -137,8 +141,6 @@ def _render_string_pattern(node, insensitive: bool = False) -> str:
     """Render an interegular parse tree as a regex over the JSON *encoding* of the matched text: every
     character class loses '"', '\\' and control characters; '"', '\\', newline, tab and carriage
     return come back as their JSON escapes, other control characters are dropped."""
-    from interegular import patterns as P
-
     name = type(node).__name__
     if isinstance(node, P.Pattern):
         insensitive = bool((P.REFlags.CASE_INSENSITIVE if insensitive else P.REFlags(0)) | node.added_flags) and not (
@@ -180,10 +182,6 @@ def _render_string_pattern(node, insensitive: bool = False) -> str:
 
 def _string_pattern_regex(pattern: str) -> str:
     """Regex for the body of a JSON string whose decoded value full-matches ``pattern``."""
-    import interegular
-
-    from .regex_fsm import _preprocess
-
     try:
         re.compile(pattern)
     except re.error as e:
@@ -705,7 +703,7 @@ def schema_from_pydantic(model) -> dict:
 
 def _check_schema(schema: Any) -> None:
     try:
-        import jsonschema
+        import jsonschema  # optional dependency (the test and dspy extras)
     except ImportError:  # optional: our own checks still catch what we rely on
         return
     try:

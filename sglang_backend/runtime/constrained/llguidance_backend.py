@@ -47,7 +47,7 @@ class LLGuidanceCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         if not llguidance_available():
             raise ValueError("ebnf grammars need the llguidance package (pip install llguidance==1.5.0)")
-        import llguidance.hf
+        import llguidance.hf  # optional dependency (the ebnf extra)
 
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -61,7 +61,7 @@ class LLGuidanceCompiler:
         self._lock = threading.Lock()
 
     def compile(self, spec: str) -> "LLGuidanceGrammar":
-        import llguidance
+        import llguidance  # optional dependency (the ebnf extra)
 
         if not isinstance(spec, str) or not spec.strip():
             raise ValueError("invalid ebnf grammar: expected a non-empty string")
@@ -88,7 +88,7 @@ class LLGuidanceGrammar:
         self.eos_token_ids = compiler.eos_token_ids
 
     def matcher(self) -> "LLGuidanceMatcher":
-        import llguidance
+        import llguidance  # optional dependency (the ebnf extra)
 
         m = llguidance.LLMatcher(self.compiler.ll_tokenizer, self.grammar, log_level=0)
         if m.is_error():

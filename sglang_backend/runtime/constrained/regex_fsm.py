@@ -67,7 +67,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import interegular
+import interegular.fsm as ifsm
 import numpy as np
+from interegular import patterns as P
+from interegular.fsm import anything_else
+from interegular.patterns import InvalidSyntax, REFlags, Unsupported
 
 from . import budget as grammar_budget
 
@@ -118,8 +123,6 @@ def _identity(x):
 
 
 def _install_crawl() -> None:
-    import interegular.fsm as ifsm
-
     if getattr(ifsm.crawl, "_sglang_backend", False):
         return
     original = ifsm.crawl
@@ -468,8 +471,6 @@ def _cont_chain(b: _ByteBuilder, k: int, tgt: int, cache: dict) -> int:
 
 
 def _char_fsm_to_bytes(fsm, max_byte_states: int) -> tuple[list[list[int]], list[int], int]:
-    from interegular.fsm import anything_else
-
     alphabet = fsm.alphabet
     explicit = [s for s in alphabet if s is not anything_else]
     explicit_intervals = _chars_to_intervals(explicit)
@@ -693,8 +694,6 @@ def _class_intervals(chars, negated: bool, insensitive: bool) -> list[tuple[int,
 
 
 def _build_nfa(node, nfa: _NFA, flags, depth: int = 0) -> tuple[int, int]:
-    from interegular import patterns as P
-
     if depth > 400:
         raise RecursionError
     name = type(node).__name__
@@ -826,8 +825,6 @@ def _nfa_to_dfa(nfa: _NFA, start: int, final: int, max_states: int) -> tuple[lis
 
 
 def _compile_nfa_engine(parsed, max_byte_states: int) -> tuple[list[list[int]], list[int], int]:
-    from interegular.patterns import REFlags
-
     nfa = _NFA(max_states=max_byte_states * 8)
     start, final = _build_nfa(parsed, nfa, REFlags(0))
     rows, finals = _nfa_to_dfa(nfa, start, final, max_byte_states)
@@ -866,9 +863,6 @@ def compile_regex(
     except (OverflowError, RecursionError) as e:
         raise ValueError(f"invalid regex {pattern!r}: {e}") from None
     rewritten = _preprocess(pattern)
-
-    import interegular
-    from interegular.patterns import InvalidSyntax, Unsupported
 
     _install_crawl()
     try:

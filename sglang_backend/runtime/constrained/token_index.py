@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..model_loader.embedded import cache_root
 from . import budget as grammar_budget
 from .regex_fsm import DEFAULT_TIMEOUT_S, ByteDFA, compile_regex
 
@@ -538,8 +539,6 @@ def build_token_index(dfa: ByteDFA, vocab: TokenVocabulary, vocab_size: int, eos
 def fsm_cache_dir() -> str:
     """``<cache root>/fsm`` where the cache root is ``$SGLANG_BACKEND_CACHE`` (else
     ``$XDG_CACHE_HOME/sglang_backend``, else ``~/.cache/sglang_backend``)."""
-    from sglang_backend.runtime.model_loader.embedded import cache_root
-
     return os.path.join(cache_root(), "fsm")
 
 

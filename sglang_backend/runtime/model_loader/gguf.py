@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 __all__ = [
     "CONVERTER_VERSION",
@@ -69,7 +70,7 @@ _SKIPPED_SUFFIXES = ("rope_freqs.weight", "attn_rot_embd.weight", "rope_factors_
 
 def _field_value(field: Any) -> Any:
     """Decode one GGUFReader field into a Python value (str / int / float / bool / list)."""
-    from gguf import GGUFValueType
+    from gguf import GGUFValueType  # deferred: gguf is slow to import; embedded.py imports this module
 
     types = list(field.types)
     if not types:
@@ -101,7 +102,7 @@ def read_gguf_metadata(reader: Any, *, skip_large_arrays: bool = True) -> dict[s
     The tokenizer's big arrays (tokens, merges, scores, token types) are replaced by their length when
     ``skip_large_arrays`` is set, since decoding them is slow and the config only needs the count.
     """
-    from gguf import GGUFValueType
+    from gguf import GGUFValueType  # deferred: gguf is slow to import; embedded.py imports this module
 
     meta: dict[str, Any] = {}
     for name, field in reader.fields.items():
@@ -156,7 +157,7 @@ def unpermute_qk_from_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def gguf_to_hf_config(meta: dict[str, Any], *, has_output_tensor: bool, vocab_size: int | None = None):
     """Build a transformers ``LlamaConfig`` from GGUF metadata (``llama.*`` keys)."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # deferred: transformers takes seconds to import
 
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -218,6 +219,7 @@ def gguf_to_hf_config(meta: dict[str, Any], *, has_output_tensor: bool, vocab_si
 
 def _dequantize(tensor: Any) -> np.ndarray:
     """One GGUF tensor as float32 in HF (row-major, reversed GGUF) shape."""
+    # deferred: gguf is slow to import, and resolving a cached model path imports this module
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -232,7 +234,7 @@ def _dequantize(tensor: Any) -> np.ndarray:
 
 
 def _save_tokenizer(gguf_path: str, out_dir: str, config: Any) -> Any:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
                                         gguf_file=os.path.basename(gguf_path))
@@ -259,10 +261,11 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False) -> 
     An existing ``out_dir`` is replaced. ``progress``: one progress bar on stderr (reading, then each
     tensor, the weights file, the tokenizer).
     """
+    # deferred: torch, gguf and transformers are slow to import, and resolving an already converted
+    # model path (embedded.py, loader.py) imports this module
     import torch
     from gguf import GGUFReader
     from safetensors.torch import save_file
-    from tqdm import tqdm
     from transformers import GenerationConfig
 
     t0 = time.perf_counter()

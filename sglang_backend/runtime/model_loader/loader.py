@@ -122,7 +122,7 @@ def resolve_model_path(model_path: str | None) -> str:
 
 
 def _resolve_hub(repo_id: str) -> str:
-    try:
+    try:  # huggingface_hub is no direct dependency of ours (transformers brings it); imported only for hub ids
         from huggingface_hub import snapshot_download
     except ImportError as e:  # pragma: no cover - huggingface_hub ships with transformers
         raise _unknown(repo_id, f"huggingface_hub is not installed: {e}") from e
@@ -158,7 +158,7 @@ def _resolve_hub(repo_id: str) -> str:
 
 def load_config(model_path: str | None) -> "PretrainedConfig":
     """``AutoConfig`` of the (resolved) model path."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: transformers takes seconds (see the module docstring)
 
     return AutoConfig.from_pretrained(resolve_model_path(model_path))
 
@@ -204,7 +204,7 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, "torch.Tensor"]]:
     stored dtype and live on CPU."""
     files = _weight_files(model_dir, ".safetensors", "model.safetensors.index.json")
     if files:
-        from safetensors import safe_open
+        from safetensors import safe_open  # deferred, like every heavy import here (module docstring)
 
         for fn in files:
             with safe_open(fn, framework="pt", device="cpu") as f:
@@ -214,7 +214,7 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, "torch.Tensor"]]:
     files = _weight_files(model_dir, ".bin", "pytorch_model.bin.index.json")
     if not files:
         raise FileNotFoundError(f"No *.safetensors or *.bin weight files in {model_dir}")
-    import torch
+    import torch  # deferred: only old *.bin checkpoints need torch.load (module docstring)
 
     for fn in files:
         state = torch.load(fn, map_location="cpu", weights_only=True)
@@ -225,7 +225,7 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, "torch.Tensor"]]:
 
 def load_tokenizer(model_dir: str, **kwargs: Any):
     """``AutoTokenizer.from_pretrained(model_dir)`` with a pad token guaranteed (eos, else unk)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers takes seconds (see the module docstring)
 
     tok = AutoTokenizer.from_pretrained(model_dir, **kwargs)
     if tok.pad_token is None:
@@ -274,7 +274,7 @@ def dummy_config(**overrides: Any) -> "PretrainedConfig":
     ``model_type="qwen2"`` / ``"mistral"`` (or ``architecture="Qwen2ForCausalLM"`` ...) picks the
     Qwen2 / Mistral config class instead; every other keyword overrides a config field.
     """
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config  # deferred: heavy (module docstring)
 
     overrides = dict(overrides)
     model_type = overrides.pop("model_type", None)
@@ -325,7 +325,8 @@ def build_dummy_tokenizer(vocab_size: int = 512):
     fixed corpus (padded with ``<|extra_N|>`` special tokens if the corpus runs out of merges).
     Returns a ``PreTrainedTokenizerFast`` with a ChatML-style chat template.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    # deferred: transformers takes seconds to import (see the module docstring)
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     min_size = len(_DUMMY_SPECIAL_TOKENS) + 256
@@ -346,8 +347,6 @@ def build_dummy_tokenizer(vocab_size: int = 512):
     tk.train_from_iterator(_dummy_corpus(), trainer=trainer)
     n = tk.get_vocab_size(with_added_tokens=True)
     if n < vocab_size:
-        from tokenizers import AddedToken
-
         tk.add_special_tokens([AddedToken(f"<|extra_{i}|>", special=True) for i in range(vocab_size - n)])
     assert tk.get_vocab_size(with_added_tokens=True) == vocab_size, tk.get_vocab_size()
     for i, t in enumerate(_DUMMY_SPECIAL_TOKENS):
@@ -373,6 +372,7 @@ def save_dummy_hf_model(config: "PretrainedConfig", out_dir: str, seed: int = 0)
     (norm weights, biases) get extra noise so a loader that swaps or drops them changes the logits.
     Weights are saved as float32 safetensors. Returns ``out_dir``.
     """
+    # deferred: torch and transformers take seconds to import (see the module docstring)
     import torch
     from transformers import GenerationConfig, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 

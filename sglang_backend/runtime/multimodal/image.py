@@ -14,7 +14,7 @@ _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+
 
 def _pil():
     try:
-        from PIL import Image
+        from PIL import Image  # optional dependency (the multimodal extra)
     except ImportError as e:  # pragma: no cover - pillow is a dependency of the multimodal extra
         raise ImportError("image inputs need pillow: pip install 'sglang-backend[multimodal]'") from e
     return Image

@@ -44,6 +44,7 @@ def num_image_tokens_of(config) -> int:
 def build_image_processor(config, model_dir: str | None):
     """The checkpoint's own image processor when it ships one, else CLIP preprocessing at the tower's size."""
     if model_dir and os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
+        # deferred: takes seconds, and the DSL's image/video helpers import this package
         from transformers import AutoImageProcessor
 
         try:

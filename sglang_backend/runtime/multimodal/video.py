@@ -13,7 +13,7 @@ def load_video_frames(path: str, num_frames: int) -> list:
     if not isinstance(path, str) or not os.path.isfile(path):
         raise ValueError(f"video file not found: {path!r}")
     try:
-        import av
+        import av  # optional dependency (the multimodal extra)
     except ImportError as e:  # pragma: no cover - av is a dependency of the multimodal extra
         raise ImportError("video inputs need PyAV: pip install 'sglang-backend[multimodal]'") from e
     try:
