@@ -37,7 +37,7 @@ def figure(result: dict, path: tuple) -> float | None:
             return None
         result = result[key]
     if isinstance(result, (int, float)):
-        return result * 1e3 if path[-1].endswith("_s") else float(result)
+        return result * 1e3 if path[-1] in ("step_s", "time_s") else float(result)
     return None
 
 
@@ -53,6 +53,48 @@ def run_tree(tree: str, tag: str, args, out_dir: str) -> dict | None:
         return None
     with open(output) as f:
         return json.load(f)
+
+
+def shared_prefix_driver(model: str, repeats: int, output: str) -> None:
+    """Runs in the tree under test (its cwd): the shared-prefix workload of bench_gpu ``repeats`` times on one
+    engine. One pass takes under a second, too short for one sample to tell a few percent apart."""
+    sys.path.insert(0, os.getcwd())  # the tree under test, not the one this file came from
+    import torch  # deferred: only the driver subprocess needs the GPU stack
+
+    from benchmarks.bench_gpu import MODELS, make_model_dir
+    from sglang_backend import Engine
+
+    vocab = MODELS[model]["config"]["vocab_size"]
+    engine = Engine(model_path=make_model_dir(model), load_format="dummy", dtype=MODELS[model]["dtype"],
+                    device="cuda", attention_backend="triton", log_level="warning")
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(3, vocab, (1024,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(3, vocab, (64,), generator=gen).tolist() for _ in range(128)]
+    params = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    engine.generate(input_ids=prompts[:32], sampling_params=params)  # warm-up
+    rates = []
+    for _ in range(repeats):
+        engine.flush_cache()
+        start = time.perf_counter()
+        engine.generate(input_ids=prompts, sampling_params=params)
+        rates.append(len(prompts) / (time.perf_counter() - start))
+    engine.shutdown()
+    with open(output, "w") as f:
+        json.dump({"ours": {"shared_prefix_repeated": {"req_per_s": rates}}}, f)
+
+
+def run_shared_driver(tree: str, tag: str, args, out_dir: str) -> list[float]:
+    output = os.path.join(out_dir, f"ab_shared_{tag}.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--driver-output", output, "--model", args.model,
+           "--shared-repeats", str(args.shared_repeats), tree, tree]
+    done = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0 or not os.path.exists(output):
+        print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", flush=True)
+        return []
+    with open(output) as f:
+        rates = json.load(f)["ours"]["shared_prefix_repeated"]["req_per_s"]
+    print(f"[shared {tag}] req/s {[round(r, 1) for r in rates]}", flush=True)
+    return rates
 
 
 def summarize(runs: dict[str, list[dict]]) -> list[dict]:
@@ -78,8 +120,15 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default="ceilings,runner,shared,offline")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=400)
+    ap.add_argument("--shared-repeats", type=int, default=0,
+                    help="instead of bench_gpu: the shared-prefix workload this many times per engine, per tree")
+    ap.add_argument("--driver-output", help=argparse.SUPPRESS)  # internal: run the driver in this process
     args = ap.parse_args(argv)
+    if args.driver_output:
+        return shared_prefix_driver(args.model, args.shared_repeats, args.driver_output)
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    if args.shared_repeats:
+        return compare_shared(args, out_dir)
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     for round_ in range(args.rounds):
         for side, tree in (("old", args.old_tree), ("new", args.new_tree)):
@@ -96,6 +145,22 @@ def main(argv=None) -> None:
             continue
         print(f"{row['figure']:40} {row['old_median']:10.3f} {row['new_median']:10.3f} "
               f"{row['new_speed_over_old']:14.3f} {row['spread']:8.3f}")
+
+
+def compare_shared(args, out_dir: str) -> None:
+    rates = {"old": [], "new": []}
+    for round_ in range(args.rounds):
+        for side, tree in (("old", args.old_tree), ("new", args.new_tree)):
+            rates[side] += run_shared_driver(os.path.abspath(tree), f"{side}{round_}", args, out_dir)
+    if not rates["old"] or not rates["new"]:
+        print("missing runs", rates)
+        return
+    old, new = statistics.median(rates["old"]), statistics.median(rates["new"])
+    summary = {"model": args.model, "req_per_s": rates, "old_median": old, "new_median": new,
+               "new_speed_over_old": new / old}
+    with open(os.path.join(out_dir, "ab_gpu_shared.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"shared prefix req/s: old median {old:.1f}, new median {new:.1f}, new/old {new / old:.3f}")
 
 
 if __name__ == "__main__":
