@@ -149,18 +149,26 @@ def main(argv=None) -> None:
 
 def compare_shared(args, out_dir: str) -> None:
     rates = {"old": [], "new": []}
+    paired = []  # new/old of each round's medians: the GPU's state drifts between rounds, less within one
     for round_ in range(args.rounds):
+        medians = {}
         for side, tree in (("old", args.old_tree), ("new", args.new_tree)):
-            rates[side] += run_shared_driver(os.path.abspath(tree), f"{side}{round_}", args, out_dir)
+            got = run_shared_driver(os.path.abspath(tree), f"{side}{round_}", args, out_dir)
+            rates[side] += got
+            medians[side] = statistics.median(got) if got else None
+        if medians["old"] and medians["new"]:
+            paired.append(medians["new"] / medians["old"])
     if not rates["old"] or not rates["new"]:
         print("missing runs", rates)
         return
     old, new = statistics.median(rates["old"]), statistics.median(rates["new"])
     summary = {"model": args.model, "req_per_s": rates, "old_median": old, "new_median": new,
-               "new_speed_over_old": new / old}
+               "new_speed_over_old": new / old, "paired_round_ratios": paired,
+               "paired_median": statistics.median(paired) if paired else None}
     with open(os.path.join(out_dir, "ab_gpu_shared.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"shared prefix req/s: old median {old:.1f}, new median {new:.1f}, new/old {new / old:.3f}")
+    print(f"shared prefix req/s: old median {old:.1f}, new median {new:.1f}, new/old {new / old:.3f}; "
+          f"per round new/old {[round(r, 3) for r in paired]}, median {summary['paired_median']:.3f}")
 
 
 if __name__ == "__main__":

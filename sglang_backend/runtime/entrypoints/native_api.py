@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 
 from ..managers.detokenizer_manager import format_logprob_pairs
-from ..managers.validation import MAX_PROMPTS_PER_REQUEST
-from ..sampling_params import parallel_samples, sample_count
+from ..managers import request_frontend
 from .app_context import AppContext, get_context
 from .errors import APIError
 from .execution import output_streams, prepare_all, run_all
@@ -66,22 +65,6 @@ def per_prompt(value, name: str, is_batch: bool, n: int) -> list:
     return [value] * n
 
 
-def samples_per_prompt(sps: list, prompts: int) -> int:
-    """sampling_params.n (upstream's parallel sampling): the same for every prompt, all samples counted against
-    the per-request cap (checked before a single copy is made)."""
-    try:
-        counts = {sample_count(sp) if isinstance(sp, dict) else 1 for sp in sps}
-    except ValueError as e:
-        raise APIError(str(e), param="n")
-    if len(counts) > 1:
-        raise APIError("sampling_params.n must be the same for every prompt of a batch", param="n")
-    n_samples = counts.pop()
-    if prompts * n_samples > MAX_PROMPTS_PER_REQUEST:
-        raise APIError(f"sampling_params.n = {n_samples} for {prompts} prompt(s) asks for {prompts * n_samples} samples; "
-                       f"one request may carry at most {MAX_PROMPTS_PER_REQUEST} (prompts x n)", param="n")
-    return n_samples
-
-
 def per_prompt_columns(obj: GenerateRequest, is_batch: bool, n: int) -> dict[str, list]:
     """Every per-prompt field as one list of ``n`` values (the checks in the order clients have always seen)."""
     cols = {name: per_prompt(getattr(obj, name), name, is_batch, n) for name in PER_PROMPT_FIELDS}
@@ -95,24 +78,25 @@ def per_prompt_columns(obj: GenerateRequest, is_batch: bool, n: int) -> dict[str
     return cols
 
 
-def expand_samples(cols: dict[str, list], n_samples: int) -> dict[str, list]:
-    """Each prompt's columns repeated for its samples, grouped per prompt; each sample its own sampling params
-    (``parallel_samples``) and its own request id ``rid-i`` (still unique)."""
-    sps = [c for sp in cols["sampling_params"] for c in (parallel_samples(sp) if isinstance(sp, dict) else [sp])]
-    if n_samples == 1:
-        return {**cols, "sampling_params": sps}
-    out = {name: [v for v in vals for _ in range(n_samples)] for name, vals in cols.items()}
-    out["rid"] = [None if rid is None else f"{rid}-{i}" for rid in cols["rid"] for i in range(n_samples)]
-    out["sampling_params"] = sps
-    return out
+def expand_samples(cols: dict[str, list]) -> tuple[int, dict[str, list]]:
+    """(n, each prompt's columns repeated for its n samples, grouped per prompt (request_frontend.expand_samples, as
+    the Engine does); each sample its own sampling params and its own request id ``rid-i`` (still unique))."""
+    names = [name for name in cols if name != "sampling_params"]
+    try:
+        n, sps, columns = request_frontend.expand_samples(cols["sampling_params"], *(cols[k] for k in names))
+    except ValueError as e:
+        raise APIError(str(e), param="n") from None
+    out = dict(zip(names, columns), sampling_params=sps)
+    if n > 1:
+        out["rid"] = [None if rid is None else f"{rid}-{i}" for rid in cols["rid"] for i in range(n)]
+    return n, out
 
 
 def generate_plan(obj: GenerateRequest, ctx: AppContext) -> GeneratePlan:
     check_supported(obj, ctx)
     is_batch, items = prompt_items(obj)
     cols = per_prompt_columns(obj, is_batch, len(items))
-    n_samples = samples_per_prompt(cols["sampling_params"], len(items))
-    cols = expand_samples({"item": items, **cols}, n_samples)
+    n_samples, cols = expand_samples({"item": items, **cols})
     inputs = []
     for item, sp, lp, st, top, rid, im in zip(*(cols[k] for k in ("item", *PER_PROMPT_FIELDS, "rid", "image_data"))):
         text, ids = (item, None) if isinstance(item, str) else (None, item)

@@ -99,17 +99,23 @@ class RequestFrontend:
                              int(top_logprobs_num or 0), extra_key, mm_inputs)
 
 
-def expand_samples(params: list, *per_prompt: list) -> tuple[int, list, list[list]]:
-    """Parallel sampling (``n`` in a prompt's sampling params): (n, each sample's params, each of ``per_prompt``
-    with its entries repeated n times, grouped per prompt). ``n`` must be the same for every prompt, and prompts
-    x n at most MAX_PROMPTS_PER_REQUEST (checked before a single copy is made)."""
+def samples_per_prompt(params: list) -> int:
+    """``n`` of a batch's sampling params (upstream's parallel sampling): the same for every prompt, and prompts
+    x n at most MAX_PROMPTS_PER_REQUEST, checked before a single copy is made. The Engine and /generate alike."""
     counts = {sample_count(p) if p is None or isinstance(p, dict) else 1 for p in params} or {1}
     if len(counts) > 1:
-        raise ValueError("sampling_params n must be the same for every prompt of a batch")
+        raise ValueError("sampling_params.n must be the same for every prompt of a batch")
     n = counts.pop()
     if len(params) * n > MAX_PROMPTS_PER_REQUEST:
-        raise ValueError(f"sampling_params n = {n} for {len(params)} prompt(s) asks for {len(params) * n} samples; "
-                         f"at most {MAX_PROMPTS_PER_REQUEST} (prompts x n) per call")
+        raise ValueError(f"sampling_params.n = {n} for {len(params)} prompt(s) asks for {len(params) * n} samples; "
+                         f"one request may carry at most {MAX_PROMPTS_PER_REQUEST} (prompts x n)")
+    return n
+
+
+def expand_samples(params: list, *per_prompt: list) -> tuple[int, list, list[list]]:
+    """Parallel sampling: (n, each sample's params, each of ``per_prompt`` with its entries repeated n times,
+    grouped per prompt)."""
+    n = samples_per_prompt(params)
     samples = [c for p in params for c in (parallel_samples(p) if p is None or isinstance(p, dict) else [p])]
     return n, samples, [[v for v in values for _ in range(n)] for values in per_prompt]
 
