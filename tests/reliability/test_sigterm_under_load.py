@@ -33,7 +33,8 @@ def streamed(server, params: dict, started: list) -> tuple[str, int, list]:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[len("data: "):])
-                    started.append(1)
+                    if len(events) == 1:  # one entry per stream (its first event), not per event
+                        started.append(1)
             return "stream", r.status_code, events
     except httpx.HTTPError as e:
         return "broken", 0, events + [repr(e)]
