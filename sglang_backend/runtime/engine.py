@@ -22,6 +22,7 @@ from .managers.io_struct import StrOut
 from .managers.request_frontend import RequestFrontend, RequestState, expand_samples, format_logprobs
 from .managers.scheduler import PoolNotWholeError, Scheduler
 from .managers.scheduler_output import OutputCollector
+from .managers.validation import all_ints
 from .model_loader.loader import load_model_assets
 from .multimodal.processor import MultimodalProcessor
 from .server_args import ServerArgs
@@ -206,7 +207,7 @@ class Engine:
             return prompts, is_batch
         is_batch = bool(input_ids) and isinstance(input_ids[0], list)
         ids_list = input_ids if is_batch else [input_ids]
-        if not all(isinstance(t, int) for ids in ids_list for t in ids):
+        if not all(hasattr(ids, "__iter__") and all_ints(ids) for ids in ids_list):
             raise ValueError("input_ids must be a list of ints or a list of lists of ints")
         return ids_list, is_batch
 

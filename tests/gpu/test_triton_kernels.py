@@ -42,9 +42,12 @@ def test_decode_cascade(dtype, shape):
         shared = rng.choice([0, rng.randint(1, 100), rng.randint(100, 1500)])
         seq_lens = [shared + rng.choice([1, rng.randint(2, 100), rng.randint(100, 700)]) for _ in range(bs)]
         splits, prefix_splits = rng.choice([1, 2, 8]), rng.choice([1, 3, 8])
-        err = check_decode_cascade("cuda", dtype, *shape, seq_lens, shared, splits, prefix_splits,
-                                   seed=rng.randint(0, 1 << 30))
-        assert err < TOL[dtype], (seq_lens[:4], shared, splits, prefix_splits, err)
+        seed = rng.randint(0, 1 << 30)
+        # Split counters given: with one per-request split, stage 1 merges the prefix partials (no stage 2).
+        for fused_merge in (False, True):
+            err = check_decode_cascade("cuda", dtype, *shape, seq_lens, shared, splits, prefix_splits, seed=seed,
+                                       fused_merge=fused_merge)
+            assert err < TOL[dtype], (seq_lens[:4], shared, splits, prefix_splits, fused_merge, err)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

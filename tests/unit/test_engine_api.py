@@ -134,6 +134,10 @@ def test_unknown_model_path():
     [
         ({"input_ids": list(range(3, 600))}, "context length"),
         ({"input_ids": [1, 2, 100000]}, "outside the vocabulary"),
+        ({"input_ids": [1, -2, 3]}, "outside the vocabulary"),
+        ({"input_ids": [1, 2.0, 3]}, "list of ints"),
+        ({"input_ids": [[1, 2], [3, "4"]]}, "list of ints"),
+        ({"input_ids": [[1, 2], 3]}, "list of ints"),
         ({"input_ids": []}, "empty"),
         ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ({"input_ids": [5, 6], "sampling_params": {"max_tokens": 5}}, "max_tokens"),

@@ -674,3 +674,17 @@ def test_chunk_cache_shares_nothing_and_frees_everything():
     assert (cache.evictable_size(), cache.protected_size(), cache.total_size()) == (0, 0, 0)
     cache.reset()
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("cut", [1, 5, 63, 64, 65, 127, 128, 200, 299])
+def test_match_finds_the_exact_parting_point_of_long_keys(page_size, cut):
+    """Long edges are compared a block of tokens at a time: the match must still end exactly where the keys
+    part (rounded down to a page), whether that is inside a block, on its boundary or at the edge's end."""
+    cache = make_cache(pool_size=1024, page_size=page_size, ctx=512)
+    key = list(range(100, 400))
+    put(cache, key)
+    probe = key[:cut] + [7] * (300 - cut)
+    expected = cut - cut % page_size
+    assert len(cache.match_prefix(probe).device_indices) == expected
+    assert len(cache.match_prefix(key[:cut]).device_indices) == expected

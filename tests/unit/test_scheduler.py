@@ -400,3 +400,36 @@ def test_engine_abort_streaming_request(tiny_gqa_dir):
         engine.check_pool_whole()
     finally:
         engine.shutdown()
+
+
+def test_in_batch_prefix_index_finds_only_true_sharers():
+    """The admitted-prefix index answers by a window lookup, but a hit still needs the whole prefix equal, the
+    same namespace and enough tokens; requests with a cached prefix are asked about from their own start."""
+    import torch
+
+    from sglang_backend.runtime.managers.schedule_policy import IN_BATCH_DEDUP_MIN_TOKENS as W
+    from sglang_backend.runtime.managers.schedule_policy import InBatchPrefixIndex
+
+    class R:  # the fields the index reads
+        def __init__(self, ids, cached=0, extra_key=None):
+            self.origin_input_ids = self.all_ids = list(ids)
+            self.seq_len = len(ids)
+            self.prefix_indices = torch.zeros(cached, dtype=torch.int64)
+            self.extra_key = extra_key
+
+    rng = random.Random(3)
+    prefix = rand_ids(rng, 100)
+    index = InBatchPrefixIndex()
+    assert not index.shares_uncached_prefix(R(prefix + [1]))  # nothing admitted yet
+    index.add(R(prefix + rand_ids(rng, 8)))
+    assert index.shares_uncached_prefix(R(prefix + rand_ids(rng, 8)))
+    assert index.shares_uncached_prefix(R(prefix + [5], cached=40))  # asked from its cached end
+    assert not index.shares_uncached_prefix(R(prefix[: W - 1]))  # too short to be worth holding back
+    assert not index.shares_uncached_prefix(R(prefix + [5], extra_key="other"))
+    # Same window of ids where the cached part ends, a different earlier token: not the same prefix.
+    other_head = [prefix[0] + 1] + prefix[1:]
+    assert not index.shares_uncached_prefix(R(other_head, cached=40))
+    # Requests admitted after a window table exists are indexed in it too.
+    late = rand_ids(rng, 80)
+    index.add(R(late))
+    assert index.shares_uncached_prefix(R(late + [9], cached=40))

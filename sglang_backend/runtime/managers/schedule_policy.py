@@ -6,7 +6,7 @@
 * ``fcfs`` / ``random``: ablations.
 
 On top of any policy: the starvation bound (a request skipped ``starvation_limit`` rounds goes first, in
-arrival order), and in-batch prefix dedup (see ``shares_uncached_prefix``).
+arrival order), and in-batch prefix dedup (see ``InBatchPrefixIndex``).
 """
 
 from __future__ import annotations
@@ -90,21 +90,49 @@ class SchedulePolicy:
         return ordered + [r for r in waiting if id(r) not in seen]
 
 
-def shares_uncached_prefix(req: Req, admitted: list[Req]) -> bool:
-    """True if ``req`` shares at least IN_BATCH_DEDUP_MIN_TOKENS not-yet-cached prefix tokens with a request
-    admitted in this batch: holding it back one round lets it hit the KV that request is about to compute
-    instead of computing it twice. One slice comparison per admitted request (no per-token Python loop)."""
-    need = len(req.prefix_indices) + IN_BATCH_DEDUP_MIN_TOKENS
-    if req.seq_len < need:
-        return False
-    head = (req.origin_input_ids if len(req.origin_input_ids) >= need else req.all_ids)[:need]
-    for other in admitted:
-        if other.extra_key != req.extra_key or other.seq_len < need:
-            continue
-        ids = other.origin_input_ids if len(other.origin_input_ids) >= need else other.all_ids
-        if ids[:need] == head:
-            return True
-    return False
+def _ids_through(req: Req, need: int) -> list[int]:
+    """The request's first ``need`` token ids (the prompt, then any output: a retracted request's prompt grew)."""
+    return (req.origin_input_ids if len(req.origin_input_ids) >= need else req.all_ids)[:need]
+
+
+class InBatchPrefixIndex:
+    """The requests admitted to the prefill batch being formed, for in-batch prefix dedup: a waiting request
+    that shares at least IN_BATCH_DEDUP_MIN_TOKENS not-yet-cached prefix tokens with an admitted one is held
+    back one round, so that it hits the KV that request is about to compute instead of computing it twice.
+
+    Admitted prompts are indexed by the window of IN_BATCH_DEDUP_MIN_TOKENS ids that starts where the asking
+    request's cached prefix ends (one table per such start, built on first use), so a question costs one dict
+    lookup plus a full comparison only for real candidates. Comparing each waiting request with every admitted
+    one cost O(n^2) slices of the whole prefix: tens of milliseconds for 128 requests on a 1k-token prefix."""
+
+    def __init__(self):
+        self.reqs: list[Req] = []
+        self.by_start: dict[int, dict[tuple, list[Req]]] = {}
+
+    def add(self, req: Req) -> None:
+        self.reqs.append(req)
+        for start, table in self.by_start.items():
+            self._put(table, start, req)
+
+    @staticmethod
+    def _put(table: dict, start: int, req: Req) -> None:
+        need = start + IN_BATCH_DEDUP_MIN_TOKENS
+        if req.seq_len >= need:
+            table.setdefault((req.extra_key, tuple(_ids_through(req, need)[start:])), []).append(req)
+
+    def shares_uncached_prefix(self, req: Req) -> bool:
+        start = len(req.prefix_indices)
+        need = start + IN_BATCH_DEDUP_MIN_TOKENS
+        if req.seq_len < need or not self.reqs:
+            return False
+        table = self.by_start.get(start)
+        if table is None:
+            table = self.by_start[start] = {}
+            for other in self.reqs:
+                self._put(table, start, other)
+        head = _ids_through(req, need)
+        candidates = table.get((req.extra_key, tuple(head[start:])), ())
+        return any(_ids_through(other, need) == head for other in candidates)
 
 
 _DECODED = object()  # trie mark: this prefix's last token was produced by decoding, not by a prompt

@@ -32,7 +32,7 @@ from .fault_injection import FaultInjector
 from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, SchedulerReady, TokenizedGenerateReq
 from .overlap import OverlapDecoder
 from .schedule_batch import Req, ScheduleBatch, finish_abort, finish_length, finish_stop
-from .schedule_policy import SchedulePolicy, shares_uncached_prefix
+from .schedule_policy import InBatchPrefixIndex, SchedulePolicy
 from .scheduler_output import OutputCollector
 from .validation import ModelLimits
 
@@ -82,9 +82,11 @@ class PrefillPlan:
 
     chunk_budget: float  # chunked_prefill_size (inf: off)
     input_budget: float  # max_prefill_tokens
+    decode_reserve: int  # output tokens the running and the admitted requests may still ask for (unscaled)
     reqs: list[Req] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
+    admitted_prefixes: InBatchPrefixIndex = field(default_factory=InBatchPrefixIndex)
 
 
 @dataclass
@@ -300,8 +302,10 @@ class Scheduler:
         return out
 
     # Prefill ------------------------------------------------------------------------------------------------
-    def _reserved_decode_tokens(self, reqs) -> int:
-        return int(sum(min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in reqs) * self.new_token_ratio)
+    @staticmethod
+    def _tokens_to_reserve(req: Req) -> int:
+        """The output tokens a request may still ask for, as its decoding reserves them (clipped)."""
+        return min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
 
     def available_tokens(self) -> int:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
@@ -311,7 +315,7 @@ class Scheduler:
             return None
         sa = self.server_args
         plan = PrefillPlan(sa.chunked_prefill_size if sa.chunked_prefill_size > 0 else float("inf"),
-                           max(sa.max_prefill_tokens, 1))
+                           max(sa.max_prefill_tokens, 1), sum(map(self._tokens_to_reserve, self.running)))
         # A partly computed prompt continues first.
         if self.chunked_req is not None:
             req = self.chunked_req
@@ -342,6 +346,8 @@ class Scheduler:
         if not self._alloc_extend(req, extend_len):
             return False
         plan.reqs.append(req)
+        plan.admitted_prefixes.add(req)
+        plan.decode_reserve += self._tokens_to_reserve(req)
         plan.prefix_lens.append(req.kv_len - extend_len)
         plan.extend_lens.append(extend_len)
         plan.chunk_budget -= extend_len
@@ -361,7 +367,7 @@ class Scheduler:
         self.policy.match(req)  # fresh: earlier admissions may have evicted or extended an older match
         self.stats.tree_op_seconds += time.perf_counter() - t0
         if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
-                and shares_uncached_prefix(req, admitted):
+                and plan.admitted_prefixes.shares_uncached_prefix(req):
             return True
         self.tree_cache.inc_lock_ref(req.last_node)
         prefix_len = len(req.prefix_indices)
@@ -388,7 +394,7 @@ class Scheduler:
         its decode reservation exceeds the free KV, or the prompt exceeds the budgets and cannot be chunked."""
         sa = self.server_args
         extend = req.seq_len - prefix_len
-        reserve = self._reserved_decode_tokens(self.running + plan.reqs + [req])
+        reserve = int((plan.decode_reserve + self._tokens_to_reserve(req)) * self.new_token_ratio)
         if extend + reserve > self.available_tokens() and (self.running or plan.reqs):
             return None
         budget = min(plan.chunk_budget, plan.input_budget)

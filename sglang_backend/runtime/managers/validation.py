@@ -89,6 +89,14 @@ def check_total_length(input_len: int, params: dict | None, sp: SamplingParams, 
                          f"model's context length ({limits.context_len})")
 
 
+_INT_TYPES = frozenset((int, bool))
+
+
+def all_ints(ids: list) -> bool:
+    """True if every item is a Python int (bool included, as ``isinstance`` has it), checked in C."""
+    return set(map(type, ids)) <= _INT_TYPES
+
+
 def check_input_ids(input_ids: list[int], limits: ModelLimits) -> None:
     if not input_ids:
         raise ValueError("the prompt is empty (0 tokens)")
@@ -98,7 +106,9 @@ def check_input_ids(input_ids: list[int], limits: ModelLimits) -> None:
                          f"shorten it to at most {limits.context_len - 1} tokens")
     if n + 1 > limits.max_total_num_tokens:
         raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({limits.max_total_num_tokens})")
-    bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < limits.vocab_size]
+    # A C-speed pass for the usual all-valid prompt; the slow pass below only names the bad ids.
+    valid = all_ints(input_ids) and 0 <= min(input_ids) and max(input_ids) < limits.vocab_size
+    bad = [] if valid else [t for t in input_ids if not isinstance(t, int) or not 0 <= t < limits.vocab_size]
     if bad:
         raise ValueError(f"input_ids contain token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}")
 

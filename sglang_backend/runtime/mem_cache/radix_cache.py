@@ -25,6 +25,9 @@ from .base_cache import _EMPTY, CachedKVPool
 
 
 
+_SCAN_BLOCK = 64  # tokens compared per slice when looking for where two token lists part
+
+
 def _as_list(token_ids) -> list[int]:
     # Tensors must become plain ints: tensor scalars hash by identity and would never match a dict key.
     if isinstance(token_ids, torch.Tensor):
@@ -91,7 +94,12 @@ class RadixCache(CachedKVPool):
     def _common_len(self, edge: list[int], key: list[int], pos: int) -> int:
         """Leading tokens shared by ``edge`` and ``key[pos:]``, rounded down to whole pages."""
         n = min(len(edge), len(key) - pos)
+        if edge[:n] == key[pos : pos + n]:  # the usual case, compared in C
+            return self._aligned(n)
+        # Narrow to the first differing block by slice comparisons, then scan that block token by token.
         i = 0
+        while n - i > _SCAN_BLOCK and edge[i : i + _SCAN_BLOCK] == key[pos + i : pos + i + _SCAN_BLOCK]:
+            i += _SCAN_BLOCK
         while i < n and edge[i] == key[pos + i]:
             i += 1
         return self._aligned(i)

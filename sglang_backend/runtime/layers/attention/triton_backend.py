@@ -77,11 +77,13 @@ class TritonAttnBackend(AttentionBackend):
     def num_prefix_splits(self, bs: int, shared_first_slot: bool = True) -> int:
         """Splits of the shared prefix in cascade decode (0: no cascade at this batch size, or for a batch whose
         requests do not all start at the same KV slot: it shares nothing, and the plain kernel merges its splits
-        itself, while cascade mode costs a prefix kernel and a stage-2 kernel per layer)."""
+        itself, while cascade mode costs a prefix kernel per layer, and a stage-2 kernel when the per-request part is
+        split too)."""
         if not self.use_cascade or bs < CASCADE_MIN_BS or not shared_first_slot:
             return 0
-        progs = num_prefix_programs_per_split(bs, self.num_heads, self.num_kv_heads)
-        return max(1, min(MAX_PREFIX_SPLITS, -(-2 * self.num_sms // progs)))
+        progs = num_prefix_programs_per_split(bs, self.num_heads, self.num_kv_heads, self.configs)
+        # At least 2 splits: one pass over a long prefix per program starves the memory pipeline (measured).
+        return max(2, min(MAX_PREFIX_SPLITS, round(self.configs.prefix_programs_per_sm * self.num_sms / progs)))
 
     def _scratch(self, bs: int, splits: int):
         n = bs * self.num_heads * splits

@@ -67,7 +67,8 @@ def _decode_stage1(
     sm_scale_log2,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     if HEAD_FASTEST:  # programs launched together read neighbouring heads of the same tokens
@@ -107,9 +108,13 @@ def _decode_stage1(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    _finish_split(out, lse, MidO, MidLse, O, Counters + b * stride_cb + kvh, b, kvh * KV_GROUP, offs_h, mask_h,
-                  offs_d, mask_d, s, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-                  HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, KV_GROUP, FUSE_MERGE)
+    if PREFIX_SPLITS > 0:  # cascade, own part in one split: the prefix partials are ready, merge them here
+        _merge_prefix_partials(out, lse, MidO, MidLse, O, b, heads, mask_h, offs_d, mask_d, stride_mb, stride_mh,
+                               stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS, PREFIX_SPLITS)
+    else:
+        _finish_split(out, lse, MidO, MidLse, O, Counters + b * stride_cb + kvh, b, kvh * KV_GROUP, offs_h, mask_h,
+                      offs_d, mask_d, s, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                      HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, KV_GROUP, FUSE_MERGE)
 
 
 @triton.jit
@@ -214,6 +219,35 @@ def _finish_split(out, lse, MidO, MidLse, O, Counter, b, h0, offs_h, mask_h, off
 
 
 @triton.jit
+def _merge_prefix_partials(out, lse, MidO, MidLse, O, b, heads, mask_h, offs_d, mask_d, stride_mb, stride_mh,
+                           stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, SPLIT_BASE: tl.constexpr,
+                           PREFIX_SPLITS: tl.constexpr):
+    """Cascade decode whose per-request part is one split: merges that part's result (``out`` [BLOCK_H,
+    BLOCK_D], ``lse`` [BLOCK_H], heads ``heads`` of request b) with the shared prefix's partials, which
+    _decode_prefix_stage1 wrote to splits SPLIT_BASE.. in an earlier launch, and stores the output. The
+    arithmetic of stage 2 (weights relative to the largest lse, empty splits weighted zero) without its
+    launch or its second pass over the scratch."""
+    m = lse
+    for i in tl.static_range(PREFIX_SPLITS):
+        m = tl.maximum(m, tl.load(MidLse + b * stride_lb + heads * stride_lh + SPLIT_BASE + i, mask=mask_h,
+                                  other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)  # padding rows (heads past the group) stay finite; never stored
+    w = tl.exp2(lse - m)
+    total = w
+    acc = out * w[:, None]
+    mask = mask_h[:, None] & mask_d[None, :]
+    for i in tl.static_range(PREFIX_SPLITS):
+        wi = tl.exp2(tl.load(MidLse + b * stride_lb + heads * stride_lh + SPLIT_BASE + i, mask=mask_h,
+                             other=float("-inf")) - m)
+        part = tl.load(MidO + b * stride_mb + heads[:, None] * stride_mh + (SPLIT_BASE + i) * stride_ms
+                       + offs_d[None, :], mask=mask, other=0.0)
+        acc += wi[:, None] * tl.where(wi[:, None] > 0, part, 0.0)
+        total += wi
+    res = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], res.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _decode_stage2(
     MidO, MidLse, O,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -233,15 +267,11 @@ def _decode_stage2(
 _DEFAULT_CONFIGS = KernelConfigs()
 
 
-# Cascade (shared-prefix) stage 1: rows of queries per program and tokens per KV tile.
-PREFIX_BLOCK_M = 64
-PREFIX_BLOCK_N = 64
-
-
-def num_prefix_programs_per_split(bs: int, num_heads: int, num_kv_heads: int) -> int:
+def num_prefix_programs_per_split(bs: int, num_heads: int, num_kv_heads: int,
+                                  configs: KernelConfigs | None = None) -> int:
     """Programs of _decode_prefix_stage1 per prefix split: KV heads x blocks of (request, query head) rows."""
     group = num_heads // num_kv_heads
-    return num_kv_heads * triton.cdiv(bs * group, PREFIX_BLOCK_M)
+    return num_kv_heads * triton.cdiv(bs * group, (configs or _DEFAULT_CONFIGS).decode_prefix[0])
 
 
 def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
@@ -279,7 +309,15 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
     common = (q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, prefix_len if has_prefix else seq_lens,
               mid_o, mid_lse, o, merge_counters if fuse_merge else seq_lens) + strides
     launch = _pdl.launch_args(q, pdl)
-    block_n, warps, stages, head_fastest = config or (configs or _DEFAULT_CONFIGS).decode_config(group == 1, bs)
+    configs = configs or _DEFAULT_CONFIGS
+    # Cascade with the per-request part in one split and the merge fused: the prefix kernel runs first and
+    # stage 1 merges its partials (no stage 2). Otherwise the prefix kernel runs after stage 1 and stage 2 merges.
+    prefix_first = has_prefix and num_splits == 1 and merge_counters is not None
+    if prefix_first:
+        _launch_prefix_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_len, mid_o, mid_lse, strides,
+                              scale_log2, bs, group, num_kv_heads, head_dim, block_d, num_splits, prefix_splits,
+                              ieee, configs, launch)
+    block_n, warps, stages, head_fastest = config or configs.decode_config(group == 1, bs)
     if block_d > 128:
         block_n = min(block_n, 32)
     grid = (num_kv_heads, bs, num_splits) if head_fastest else (bs, num_kv_heads, num_splits)
@@ -287,25 +325,34 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
         *common, o.stride(0), o.stride(1), num_kv_heads, scale_log2, KV_GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
         BLOCK_S=block_s, FUSE_MERGE=fuse_merge, IEEE=ieee, HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix,
-        num_warps=warps, num_stages=stages, **launch,
+        PREFIX_SPLITS=prefix_splits if prefix_first else 0, num_warps=warps, num_stages=stages, **launch,
     )
-    if fuse_merge:
+    if fuse_merge or prefix_first:
         return
     total_splits = num_splits
     if has_prefix:
-        grid = (num_kv_heads, prefix_splits, triton.cdiv(bs * group, PREFIX_BLOCK_M))
-        _decode_prefix_stage1[grid](
-            q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_len, mid_o, mid_lse, *strides, scale_log2,
-            bs * group,
-            KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=PREFIX_BLOCK_M,
-            BLOCK_N=PREFIX_BLOCK_N if block_d <= 128 else 32, SPLIT_BASE=num_splits,
-            NUM_PREFIX_SPLITS=prefix_splits, IEEE=ieee, num_warps=4, num_stages=2, **launch,
-        )
+        _launch_prefix_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_len, mid_o, mid_lse, strides,
+                              scale_log2, bs, group, num_kv_heads, head_dim, block_d, num_splits, prefix_splits,
+                              ieee, configs, launch)
         total_splits += prefix_splits
     _decode_stage2[(bs, num_heads)](
         mid_o, mid_lse, o, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=total_splits,
         BLOCK_S=triton.next_power_of_2(total_splits), num_warps=4 if block_d >= 128 else 2, **launch,
+    )
+
+
+def _launch_prefix_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_len, mid_o, mid_lse, strides,
+                          scale_log2, bs, group, num_kv_heads, head_dim, block_d, split_base, prefix_splits, ieee,
+                          configs: KernelConfigs, launch) -> None:
+    block_m, block_n, warps, stages = configs.decode_prefix
+    grid = (num_kv_heads, prefix_splits, triton.cdiv(bs * group, block_m))
+    _decode_prefix_stage1[grid](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_len, mid_o, mid_lse, *strides, scale_log2,
+        bs * group,
+        KV_GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+        BLOCK_N=block_n if block_d <= 128 else 32, SPLIT_BASE=split_base,
+        NUM_PREFIX_SPLITS=prefix_splits, IEEE=ieee, num_warps=warps, num_stages=stages, **launch,
     )
 
 
