@@ -41,9 +41,10 @@ class OurClient:
             params = {"max_new_tokens": max_tokens, **GREEDY}
         return [o["output_ids"] for o in self.eng.generate(input_ids=prompts, sampling_params=params)]
 
-    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
+    def prompt_logprobs(self, prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """As our ``select`` scores choices: from ``logprob_start_len``, so the cached head is not recomputed."""
         out = self.eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, **GREEDY},
-                                return_logprob=True, logprob_start_len=0)
+                                return_logprob=True, logprob_start_len=starts)
         return [[entry[0] for entry in o["meta_info"]["input_token_logprobs"]] for o in out]
 
     def reset(self) -> None:

@@ -37,12 +37,12 @@ class Tally:
         self.well_formed = self.well_formed and outputs_ok(outs, len(prompts), max_tokens, self.vocab)
         return outs
 
-    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
-        values = self.client.prompt_logprobs(prompts)
+    def prompt_logprobs(self, prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
+        values = self.client.prompt_logprobs(prompts, starts)
         self.calls += 1
         self.requests += len(prompts)
         self.prompt_tokens += sum(map(len, prompts))
-        self.well_formed = self.well_formed and logprobs_ok(values, prompts)
+        self.well_formed = self.well_formed and logprobs_ok(values, prompts, starts)
         return values
 
 
@@ -83,18 +83,17 @@ def mmlu(tally: Tally, rng: random.Random, vocab: int, scale: float) -> int:
 @timed_program
 def hellaswag(tally: Tally, rng: random.Random, vocab: int, scale: float) -> int:
     """HellaSwag: a ~400-token few-shot header, per question a 48-token context and 4 endings (16-32 tokens),
-    each ending scored by the prompt logprobs of header + context + ending; the best sum is the choice."""
+    each ending scored by its tokens' logprobs after header + context; the best sum is the choice."""
     header = rand_ids(rng, scaled(400, scale, 8), vocab)
     n = scaled(32, scale, 2)
-    prompts, ending_lens = [], []
+    prompts, starts = [], []
     for _ in range(n):
         context = header + rand_ids(rng, scaled(48, scale, 2), vocab)
         for _ in range(4):
             ending = rand_ids(rng, scaled(rng.randint(16, 32), scale, 2), vocab)
             prompts.append(context + ending)
-            ending_lens.append(len(ending))
-    values = tally.prompt_logprobs(prompts)
-    scores = [sum(v for v in row[-k:] if v is not None) for row, k in zip(values, ending_lens)]
+            starts.append(len(context))
+    scores = [sum(row) for row in tally.prompt_logprobs(prompts, starts)]
     choices = [max(range(4), key=lambda j, i=i: scores[4 * i + j]) for i in range(n)]
     assert len(choices) == n
     return n

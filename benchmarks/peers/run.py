@@ -111,8 +111,9 @@ def child_env(args, side: str) -> dict:
     if side == "vllm":
         for key, value in ENV_DEFAULTS.items():
             env.setdefault(key, value)
-        if args.vllm_site and os.path.isdir(args.vllm_site) and args.vllm_site not in env["PYTHONPATH"].split(os.pathsep):
-            env["PYTHONPATH"] = args.vllm_site + os.pathsep + env["PYTHONPATH"]
+        site = args.vllm_site
+        if site and os.path.isdir(site) and site not in env["PYTHONPATH"].split(os.pathsep):
+            env["PYTHONPATH"] = site + os.pathsep + env["PYTHONPATH"]
     return env
 
 
@@ -171,9 +172,14 @@ def new_result(args, sections: list[str]) -> dict:
                          peer=args.peer, sections=sections, argv=sys.argv, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                          python=sys.version.split()[0], platform=platform.platform(),
                          gpu=sh("nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"),
-                         git_head=sh(f"git -C {REPO_ROOT} rev-parse HEAD 2>/dev/null"),
+                         git_head=source_commit(),
                          deadline_s=args.deadline_s, not_covered=NOT_COVERED),
             "runs": {}, "phases": [], "errors": {}}
+
+
+def source_commit() -> str:
+    """The commit the tree was copied from: $SOURCE_COMMIT where the copy's .git (if any) is not that tree's."""
+    return os.environ.get("SOURCE_COMMIT") or sh(f"git -C {REPO_ROOT} rev-parse HEAD 2>/dev/null")
 
 
 def merge_phase(result: dict, phase: Phase, info: dict, phase_out: str) -> None:
@@ -184,7 +190,8 @@ def merge_phase(result: dict, phase: Phase, info: dict, phase_out: str) -> None:
         with open(phase_out) as f:
             doc = json.load(f)
     except (OSError, ValueError) as e:
-        result["errors"][key] = f"no phase JSON ({e!r}); rc={info['rc']} timed_out={info['timed_out']}; see {info['log']}"
+        result["errors"][key] = (f"no phase JSON ({e!r}); rc={info['rc']} timed_out={info['timed_out']}; "
+                                 f"see {info['log']}")
         return
     result["runs"].setdefault(phase.side, {})[phase.cache] = doc
     for name, tb in doc.get("errors", {}).items():

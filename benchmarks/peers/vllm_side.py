@@ -63,11 +63,12 @@ class VllmClient:
             params = self.sampling(max_tokens)
         return [list(o.outputs[0].token_ids) for o in self._run(prompts, params)]
 
-    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
-        """``prompt_logprobs=0``: each position's entry holds the prompt token's own logprob (the first None)."""
+    def prompt_logprobs(self, prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """``prompt_logprobs=0`` over the whole prompt (vLLM has no start position, and it computes prompts that
+        ask for prompt logprobs without its prefix cache); each position's entry holds that token's logprob."""
         outs = self._run(prompts, self.sampling(1, prompt_logprobs=0))
-        return [[logprob_of(out.prompt_logprobs[i], prompt[i]) for i in range(len(prompt))]
-                for prompt, out in zip(prompts, outs)]
+        return [[logprob_of(out.prompt_logprobs[i], prompt[i]) for i in range(start, len(prompt))]
+                for prompt, start, out in zip(prompts, starts, outs)]
 
     def reset(self) -> None:
         if self.cache_on and self.llm.reset_prefix_cache() is False:

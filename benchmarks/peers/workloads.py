@@ -19,8 +19,10 @@ class Client(Protocol):
     def generate(self, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
         """Greedy, ignore_eos: the output ids of each prompt, in order (one batched call)."""
 
-    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
-        """One logprob per prompt token (the first is None)."""
+    def prompt_logprobs(self, prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """The logprob of each token of prompt i from position starts[i] (>= 1) on, given the tokens before it.
+        An engine that can start there may reuse the cached KV of what comes before (our ``select`` does); one
+        that cannot computes the whole prompt and drops the head (vLLM's ``prompt_logprobs``)."""
 
     def reset(self) -> None:
         """Empty the prefix cache."""
@@ -108,13 +110,13 @@ def outputs_ok(outputs: list[list[int]], count: int, max_tokens: int | list[int]
                for o, w in zip(outputs, wanted))
 
 
-def logprobs_ok(values: list[list[float | None]], prompts: list[list[int]]) -> bool:
-    """One entry per prompt token, the first None, the others finite and <= 0 (log-probabilities)."""
+def logprobs_ok(values: list[list[float]], prompts: list[list[int]], starts: list[int]) -> bool:
+    """One entry per prompt token from its start on, each finite and <= 0 (log-probabilities)."""
     if len(values) != len(prompts):
         return False
-    for row, prompt in zip(values, prompts):
-        if len(row) != len(prompt) or row[0] is not None:
+    for row, prompt, start in zip(values, prompts, starts):
+        if len(row) != len(prompt) - start:
             return False
-        if not all(isinstance(v, float) and -1e30 < v <= 1e-3 for v in row[1:]):
+        if not all(isinstance(v, float) and -1e30 < v <= 1e-3 for v in row):
             return False
     return True

@@ -38,9 +38,9 @@ class RecordingClient:
         self.outputs.append([[rng.randrange(self.vocab) for _ in range(n - self.short)] for n in wanted])
         return self.outputs[-1]
 
-    def prompt_logprobs(self, prompts):
-        self.calls.append(("prompt_logprobs", [list(p) for p in prompts], None))
-        return [[None] + [-1.5] * (len(p) - 1) for p in prompts]
+    def prompt_logprobs(self, prompts, starts):
+        self.calls.append(("prompt_logprobs", [list(p) for p in prompts], list(starts)))
+        return [[-1.5] * (len(p) - s) for p, s in zip(prompts, starts)]
 
     def reset(self):
         self.resets += 1
@@ -85,10 +85,11 @@ def test_output_checks_catch_bad_outputs():
     assert not workloads.outputs_ok([[1, 2], [3, 10]], 2, 2, 10)  # id out of range
     assert not workloads.outputs_ok([[1, 2]], 2, 2, 10)  # an output missing
     assert workloads.outputs_ok([[1], [3, 4]], 2, [1, 2], 10)
-    assert workloads.logprobs_ok([[None, -0.5, -2.0]], [[5, 6, 7]])
-    assert not workloads.logprobs_ok([[-0.1, -0.5, -2.0]], [[5, 6, 7]])  # first not None
-    assert not workloads.logprobs_ok([[None, 0.5, -2.0]], [[5, 6, 7]])  # positive
-    assert not workloads.logprobs_ok([[None, float("nan"), -2.0]], [[5, 6, 7]])
+    assert workloads.logprobs_ok([[-0.5, -2.0]], [[5, 6, 7]], [1])
+    assert workloads.logprobs_ok([[-2.0]], [[5, 6, 7]], [2])
+    assert not workloads.logprobs_ok([[-0.1, -0.5, -2.0]], [[5, 6, 7]], [1])  # one entry too many
+    assert not workloads.logprobs_ok([[0.5, -2.0]], [[5, 6, 7]], [1])  # positive
+    assert not workloads.logprobs_ok([[float("nan"), -2.0]], [[5, 6, 7]], [1])
 
 
 def test_sections_expand_groups_in_order():
@@ -134,6 +135,7 @@ def test_hellaswag_scores_four_endings_per_shared_context():
     assert len({tuple(p[:400]) for p in prompts}) == 1
     for i in range(0, len(prompts), 4):
         assert len({tuple(p[:448]) for p in prompts[i:i + 4]}) == 1  # header + the question's context
+    assert client.calls[0][2] == [448] * len(prompts)  # only the endings are scored
 
 
 def test_react_steps_extend_the_previous_prompt_and_output():
