@@ -128,15 +128,18 @@ def plot(result: dict, path: str) -> None:
         ax.barh(labels, values, color=["tab:green" if v >= 1 else "tab:red" for v in values])
         for i, (v, r) in enumerate(zip(values, drawn)):
             ax.text(v, i, f" {v:.2f}x  (ours {fmt(r['ours'])}, vLLM {fmt(r['vllm'])})", va="center", fontsize=8)
-        ax.set_xlim(0, max(values) * 1.6)
+        # Log scale: 0.9x and 1.1x sit as far from the line as they deserve, and an 8x bar does not flatten them.
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(min(0.5, min(values) / 1.2), max(2.0, max(values)) * 4)
     else:
         ax.text(0.5, 0.5, "no vLLM figures in this run (ours only)", ha="center", va="center",
                 transform=ax.transAxes)
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
     meta = result.get("meta", {})
-    ax.set_xlabel("ratio (> 1: ours better; rates ours/vLLM, times vLLM/ours)")
-    ax.set_title(f"ours vs vLLM {meta.get('vllm_version') or ''} — {meta.get('model')} on {meta.get('gpu') or '?'}",
-                 fontsize=10)
+    ax.set_xlabel("ratio, log scale (> 1: ours better; rates ours/vLLM, times vLLM/ours)")
+    gpu = (meta.get("gpu") or "?").split(",")[0]  # the name, without the driver and memory
+    date = (meta.get("date") or "")[:10]
+    ax.set_title(f"ours vs vLLM {meta.get('vllm_version') or ''}: {meta.get('model')}, {gpu}, {date}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
