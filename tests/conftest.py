@@ -159,6 +159,13 @@ def tiny_tied_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> str:
+    """Qwen3: per-head q/k norms, GQA, a head size (32) that is not hidden / heads (16), tied embeddings."""
+    return _tiny_dir(tmp_path_factory, "tiny_qwen3", model_type="qwen3", num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
 def smollm_dir() -> str:
     from sglang_backend.runtime.model_loader.embedded import default_model_path
 

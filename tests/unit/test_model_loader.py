@@ -146,7 +146,7 @@ def test_dir_without_config_is_unknown(tmp_path):
 # dummy models
 # --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_dummy_round_trip(tmp_path, model_type):
     from transformers import AutoModelForCausalLM
 
@@ -154,7 +154,8 @@ def test_dummy_round_trip(tmp_path, model_type):
     d = save_dummy_hf_model(cfg, str(tmp_path / "m"), seed=0)
     assert resolve_model_path(d) == os.path.abspath(d)
     loaded_cfg = load_config(d)
-    assert check_supported(loaded_cfg) == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+    assert check_supported(loaded_cfg) == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                           "qwen3": "Qwen3ForCausalLM"}[model_type]
     assert (loaded_cfg.vocab_size, loaded_cfg.hidden_size, loaded_cfg.num_hidden_layers) == (512, 64, 2)
 
     model = AutoModelForCausalLM.from_pretrained(d).eval()

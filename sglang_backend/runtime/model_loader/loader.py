@@ -44,6 +44,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # Llama's forward with per-head RMSNorm on q and k (models/llama.py)
     "LlavaForConditionalGeneration": "llava",  # vision tower + a Llama-family LM (models/llava.py)
 }
 
@@ -177,7 +178,7 @@ def check_supported(config: "PretrainedConfig") -> str:
     shown = ", ".join(archs) if archs else f"model_type={model_type!r}"
     raise UnsupportedModelError(
         f"Unsupported model architecture {shown}: sglang_backend implements "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama / SmolLM / Mistral / Qwen2 families)")
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama / SmolLM / Mistral / Qwen2 / Qwen3 families)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -271,10 +272,12 @@ def dummy_config(**overrides: Any) -> "PretrainedConfig":
     """A tiny config for tests: Llama by default (vocab 512, hidden 64, intermediate 128, 2 layers,
     4 heads / 2 KV heads, 512 positions, tied embeddings off, init std 0.1).
 
-    ``model_type="qwen2"`` / ``"mistral"`` (or ``architecture="Qwen2ForCausalLM"`` ...) picks the
-    Qwen2 / Mistral config class instead; every other keyword overrides a config field.
+    ``model_type="qwen2"`` / ``"qwen3"`` / ``"mistral"`` (or ``architecture="Qwen2ForCausalLM"`` ...) picks
+    that family's config class instead (Qwen3: head_dim = hidden / heads unless given); every other keyword
+    overrides a config field.
     """
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config  # deferred: heavy (module docstring)
+    # deferred: heavy (module docstring)
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     overrides = dict(overrides)
     model_type = overrides.pop("model_type", None)
@@ -286,7 +289,8 @@ def dummy_config(**overrides: Any) -> "PretrainedConfig":
     model_type = model_type or "llama"
     classes = {"llama": (LlamaConfig, "LlamaForCausalLM"),
                "mistral": (MistralConfig, "MistralForCausalLM"),
-               "qwen2": (Qwen2Config, "Qwen2ForCausalLM")}
+               "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
+               "qwen3": (Qwen3Config, "Qwen3ForCausalLM")}
     if model_type not in classes:
         raise UnsupportedModelError(f"dummy_config: unsupported model_type {model_type!r}")
     cls, arch_name = classes[model_type]
@@ -295,6 +299,8 @@ def dummy_config(**overrides: Any) -> "PretrainedConfig":
     if model_type == "mistral":
         kwargs["sliding_window"] = None
     kwargs.update(overrides)
+    if model_type == "qwen3":  # Qwen3Config's own default (128) would not fit the tiny hidden size
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     return cls(**kwargs)
 
 
@@ -367,16 +373,17 @@ def build_dummy_tokenizer(vocab_size: int = 512):
 def save_dummy_hf_model(config: "PretrainedConfig", out_dir: str, seed: int = 0) -> str:
     """Save a randomly initialized HF model for ``config`` (+ a matching tokenizer) into ``out_dir``.
 
-    The model class follows ``config.model_type`` (llama / mistral / qwen2). Initialization is seeded
+    The model class follows ``config.model_type`` (llama / mistral / qwen2 / qwen3). Initialization is seeded
     (the global RNG state is left untouched) and uses ``config.initializer_range``; 1-D parameters
     (norm weights, biases) get extra noise so a loader that swaps or drops them changes the logits.
     Weights are saved as float32 safetensors. Returns ``out_dir``.
     """
     # deferred: torch and transformers take seconds to import (see the module docstring)
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    from transformers import GenerationConfig, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
-    classes = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
+    classes = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
+               "qwen3": Qwen3ForCausalLM}
     cls = classes.get(config.model_type)
     if cls is None:
         raise UnsupportedModelError(f"save_dummy_hf_model: unsupported model_type {config.model_type!r}")

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over the paged KV pool.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV pool. Qwen3 is Llama plus an
+RMSNorm over each head of q and of k before rotary (``LlamaAttention.q_norm`` / ``k_norm``) and no qkv bias.
 
 Our own modules, not HF's: tokens of many requests are packed into one flat [num_tokens, hidden] batch and
 attention goes through the batch's backend. Arithmetic follows HF's reference so greedy outputs match it.
@@ -50,11 +51,26 @@ class LlamaAttention(nn.Module):
             config.hidden_size, [(total_heads * D, get_tp_rank() * self.q_size, self.q_size), kv_part, kv_part], bias)
         self.o_proj = RowParallelLinear(total_heads * D, config.hidden_size, bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2")
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+        # Qwen3: each head of q and k is RMS-normalised (weights over head_dim, shared by the heads) before rotary.
+        self.q_norm = self.k_norm = None
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
     def forward(self, hidden, rope: RopeBatch, forward_batch):
         opts = forward_batch.kernel_options
-        out = self.attn.forward_qkv(self.qkv_proj(hidden, opts), rope, forward_batch)
-        return self.o_proj(out, opts)
+        qkv = self.norm_qk(self.qkv_proj(hidden, opts), opts)
+        return self.o_proj(self.attn.forward_qkv(qkv, rope, forward_batch), opts)
+
+    def norm_qk(self, qkv: torch.Tensor, opts: KernelOptions | None) -> torch.Tensor:
+        """The per-head q and k norms on the fused projection's output (models without them: unchanged)."""
+        if self.q_norm is None:
+            return qkv
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        D = self.head_dim
+        q = self.q_norm(q.reshape(-1, D), opts=opts).reshape(-1, self.q_size)
+        k = self.k_norm(k.reshape(-1, D), opts=opts).reshape(-1, self.kv_size)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -103,8 +119,10 @@ class LlamaDecoderLayer(nn.Module):
         opts = fb.kernel_options
         attn, mlp = self.self_attn, self.mlp
         residual = residual.contiguous()
-        rope_store = attn.attn.rope_store(rope, fb) if opts.gemv_mode == "fused_rope" else None
-        qkv = attn.qkv_proj.norm_gemv(residual, self.input_layernorm, opts, rope=rope_store)
+        # Rotary in the GEMV's epilogue would come before the q/k norms: not for models that have them.
+        fold_rope = opts.gemv_mode == "fused_rope" and attn.q_norm is None
+        rope_store = attn.attn.rope_store(rope, fb) if fold_rope else None
+        qkv = attn.norm_qk(attn.qkv_proj.norm_gemv(residual, self.input_layernorm, opts, rope=rope_store), opts)
         o = attn.attn.forward_qkv(qkv, rope, fb, rotated=rope_store is not None)
         attn.o_proj.add_into(residual, o.reshape(1, -1).contiguous(), opts)
         h = mlp.gate_up_proj.norm_gemv(residual, self.post_attention_layernorm, opts, silu_mul=True)

@@ -7,13 +7,14 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,  # q/k norms switched on by model_type (models/llama.py)
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 
 def get_model_class(config):
     archs = getattr(config, "architectures", None) or []
-    if not archs and getattr(config, "model_type", None) in ("llama", "mistral", "qwen2"):
+    if not archs and getattr(config, "model_type", None) in ("llama", "mistral", "qwen2", "qwen3"):
         return LlamaForCausalLM
     for arch in archs:
         if arch in MODEL_REGISTRY:
