@@ -166,6 +166,19 @@ def tiny_qwen3_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
+    """Qwen3-MoE: 4 experts, top 2, renormalised; the second of 3 layers dense (mlp_only_layers)."""
+    return _tiny_dir(tmp_path_factory, "tiny_qwen3_moe", model_type="qwen3_moe", num_hidden_layers=3,
+                     mlp_only_layers=[1], head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory) -> str:
+    """Mixtral: 4 experts, top 2, GQA."""
+    return _tiny_dir(tmp_path_factory, "tiny_mixtral", model_type="mixtral")
+
+
+@pytest.fixture(scope="session")
 def smollm_dir() -> str:
     from sglang_backend.runtime.model_loader.embedded import default_model_path
 

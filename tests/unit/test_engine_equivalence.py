@@ -36,7 +36,8 @@ def smollm_prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
-@pytest.mark.parametrize("which", ["tiny_gqa_dir", "tiny_tied_dir", "tiny_qwen3_dir", "smollm_dir"])
+@pytest.mark.parametrize("which", ["tiny_gqa_dir", "tiny_tied_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
+                                   "tiny_mixtral_dir", "smollm_dir"])
 def test_greedy_matches_hf_single_and_batch(which, request, hf_model_cache):
     path = request.getfixturevalue(which)
     hf = hf_model_cache(path)
@@ -61,7 +62,8 @@ def test_greedy_matches_hf_single_and_batch(which, request, hf_model_cache):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("which", ["tiny_gqa_dir", "tiny_qwen3_dir", "smollm_dir"])
+@pytest.mark.parametrize("which", ["tiny_gqa_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_mixtral_dir",
+                                   "smollm_dir"])
 def test_logprobs_match_hf(which, request, hf_model_cache):
     path = request.getfixturevalue(which)
     hf = hf_model_cache(path)
@@ -108,12 +110,14 @@ def test_logprobs_match_hf(which, request, hf_model_cache):
 
 @pytest.mark.parametrize("engine_kwargs", [dict(chunked_prefill_size=16), dict(page_size=4),
                                            dict(page_size=4, chunked_prefill_size=16)], ids=str)
-def test_qwen3_matches_hf_chunked_and_paged(engine_kwargs, tiny_qwen3_dir, hf_model_cache):
-    """Qwen3's q/k norms hold under chunked prefill (a prompt computed 16 tokens at a time) and 4-token pages."""
-    hf = hf_model_cache(tiny_qwen3_dir)
+@pytest.mark.parametrize("which", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir"])
+def test_qwen3_matches_hf_chunked_and_paged(engine_kwargs, which, request, hf_model_cache):
+    """Qwen3's q/k norms and the experts hold under chunked prefill (16 tokens at a time) and 4-token pages."""
+    path = request.getfixturevalue(which)
+    hf = hf_model_cache(path)
     prompts = random_prompts(hf.config.vocab_size, seed=1)
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    engine = make_engine(tiny_qwen3_dir, **engine_kwargs)
+    engine = make_engine(path, **engine_kwargs)
     try:
         params = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
         assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == expected

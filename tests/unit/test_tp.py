@@ -64,7 +64,8 @@ def tied_kv1_dir(tmp_path_factory) -> str:
     return out
 
 
-@pytest.mark.parametrize("model, load_format, page_size", [("tiny_gqa_dir", "auto", 1), ("tied_kv1_dir", "dummy", 4)])
+@pytest.mark.parametrize("model, load_format, page_size", [("tiny_gqa_dir", "auto", 1), ("tied_kv1_dir", "dummy", 4),
+                                                        ("tiny_qwen3_moe_dir", "auto", 1)])
 def test_tp2_matches_tp1(request, model, load_format, page_size):
     path = request.getfixturevalue(model)
     kwargs = dict(load_format=load_format, chunked_prefill_size=16, max_total_tokens=2048, page_size=page_size)
@@ -73,7 +74,10 @@ def test_tp2_matches_tp1(request, model, load_format, page_size):
     e2 = make_engine(path, tp_size=2, **kwargs)
     procs = list(e2.scheduler.model_runner.tp_followers.procs)
     try:
-        assert e2.scheduler.model_runner.model.model.layers[0].self_attn.num_heads == 2  # really sharded
+        layer0 = e2.scheduler.model_runner.model.model.layers[0]
+        assert layer0.self_attn.num_heads == 2  # really sharded
+        if model == "tiny_qwen3_moe_dir":  # each rank holds half of every expert
+            assert layer0.mlp.intermediate == layer0.mlp.full_intermediate // 2
         got = _run(e2)
         e2.check_pool_whole()
         assert e2.get_stats()["num_cached_tokens"] > 0

@@ -194,7 +194,10 @@ class ModelRunner:
         self.graph_runner = None
         if self.device == "cpu":
             return
-        if not self.server_args.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
+        if not getattr(self.model, "supports_cuda_graph", True):
+            logger.info("decode runs without CUDA graphs: this model's torch MoE path reads expert loads on the "
+                        "host each step (no fused-MoE GPU kernel yet)")
+        elif not self.server_args.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             self.graph_runner = CudaGraphRunner(self)
 
     def set_kernel_options(self, options: KernelOptions, capture_bs: list[int] | None = None) -> None:

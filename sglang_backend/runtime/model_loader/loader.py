@@ -45,6 +45,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Llama's forward with per-head RMSNorm on q and k (models/llama.py)
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 with mixture-of-experts MLPs (layers/moe.py)
+    "MixtralForCausalLM": "mixtral",  # Mistral with mixture-of-experts MLPs
     "LlavaForConditionalGeneration": "llava",  # vision tower + a Llama-family LM (models/llava.py)
 }
 
@@ -178,7 +180,7 @@ def check_supported(config: "PretrainedConfig") -> str:
     shown = ", ".join(archs) if archs else f"model_type={model_type!r}"
     raise UnsupportedModelError(
         f"Unsupported model architecture {shown}: sglang_backend implements "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama / SmolLM / Mistral / Qwen2 / Qwen3 families)")
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama / SmolLM / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE families)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,7 +279,7 @@ def dummy_config(**overrides: Any) -> "PretrainedConfig":
     overrides a config field.
     """
     # deferred: heavy (module docstring)
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     overrides = dict(overrides)
     model_type = overrides.pop("model_type", None)
@@ -290,16 +292,23 @@ def dummy_config(**overrides: Any) -> "PretrainedConfig":
     classes = {"llama": (LlamaConfig, "LlamaForCausalLM"),
                "mistral": (MistralConfig, "MistralForCausalLM"),
                "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
-               "qwen3": (Qwen3Config, "Qwen3ForCausalLM")}
+               "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+               "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
+               "mixtral": (MixtralConfig, "MixtralForCausalLM")}
     if model_type not in classes:
         raise UnsupportedModelError(f"dummy_config: unsupported model_type {model_type!r}")
     cls, arch_name = classes[model_type]
     kwargs = dict(_DUMMY_DEFAULTS)
     kwargs["architectures"] = [arch_name]
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None
+    if model_type == "qwen3_moe":  # 4 experts of 32, top 2, every layer sparse
+        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                      mlp_only_layers=[], norm_topk_prob=True)
+    if model_type == "mixtral":
+        kwargs.update(num_local_experts=4, num_experts_per_tok=2)
     kwargs.update(overrides)
-    if model_type == "qwen3":  # Qwen3Config's own default (128) would not fit the tiny hidden size
+    if model_type in ("qwen3", "qwen3_moe"):  # the config class's own default (128) would not fit the tiny size
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     return cls(**kwargs)
 
@@ -373,17 +382,19 @@ def build_dummy_tokenizer(vocab_size: int = 512):
 def save_dummy_hf_model(config: "PretrainedConfig", out_dir: str, seed: int = 0) -> str:
     """Save a randomly initialized HF model for ``config`` (+ a matching tokenizer) into ``out_dir``.
 
-    The model class follows ``config.model_type`` (llama / mistral / qwen2 / qwen3). Initialization is seeded
+    The model class follows ``config.model_type`` (llama / mistral / mixtral / qwen2 / qwen3 / qwen3_moe).
+    Initialization is seeded
     (the global RNG state is left untouched) and uses ``config.initializer_range``; 1-D parameters
     (norm weights, biases) get extra noise so a loader that swaps or drops them changes the logits.
     Weights are saved as float32 safetensors. Returns ``out_dir``.
     """
     # deferred: torch and transformers take seconds to import (see the module docstring)
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    from transformers import (GenerationConfig, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
+                              Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
     classes = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
-               "qwen3": Qwen3ForCausalLM}
+               "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM}
     cls = classes.get(config.model_type)
     if cls is None:
         raise UnsupportedModelError(f"save_dummy_hf_model: unsupported model_type {config.model_type!r}")

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV pool. Qwen3 is Llama plus an
-RMSNorm over each head of q and of k before rotary (``LlamaAttention.q_norm`` / ``k_norm``) and no qkv bias.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM; Qwen3-MoE and Mixtral) over the paged KV pool.
+Qwen3 is Llama plus an RMSNorm over each head of q and of k before rotary (``LlamaAttention.q_norm`` /
+``k_norm``) and no qkv bias; the MoE models replace the MLP of their sparse layers by ``layers.moe.SparseMoE``.
 
 Our own modules, not HF's: tokens of many requests are packed into one flat [num_tokens, hidden] batch and
 attention goes through the batch's backend. Arithmetic follows HF's reference so greedy outputs match it.
@@ -24,6 +25,7 @@ from ..layers.activation import silu_and_mul
 from ..layers.kernel_options import KernelOptions
 from ..layers.layernorm import RMSNorm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
+from ..layers.moe import SparseMoE
 from ..layers.radix_attention import RadixAttention
 from ..layers.rotary_embedding import RopeBatch, RotaryEmbedding
 
@@ -53,7 +55,7 @@ class LlamaAttention(nn.Module):
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
         # Qwen3: each head of q and k is RMS-normalised (weights over head_dim, shared by the heads) before rotary.
         self.q_norm = self.k_norm = None
-        if config.model_type == "qwen3":
+        if config.model_type in ("qwen3", "qwen3_moe"):
             self.q_norm = RMSNorm(D, config.rms_norm_eps)
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
@@ -88,11 +90,31 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, opts), opts), opts)
 
 
+def moe_of(config, layer_id: int) -> SparseMoE | None:
+    """The layer's mixture of experts (Qwen3-MoE's sparse layers, every Mixtral layer), or None (dense MLP)."""
+    if config.model_type == "mixtral":
+        return SparseMoE(config.hidden_size, config.intermediate_size, config.num_local_experts,
+                         config.num_experts_per_tok, True, config.hidden_act)
+    if config.model_type == "qwen3_moe":
+        sparse = (layer_id not in (config.mlp_only_layers or []) and config.num_experts > 0
+                  and (layer_id + 1) % config.decoder_sparse_step == 0)
+        if sparse:
+            return SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                             config.num_experts_per_tok, bool(config.norm_topk_prob), config.hidden_act)
+    return None
+
+
+def has_moe(config) -> bool:
+    return config.model_type in ("mixtral", "qwen3_moe")
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = LlamaMLP(config)
+        self.mlp = moe_of(config, layer_id) or LlamaMLP(config)
+        # One-token fused GEMVs fold the MLP into gate_up/down GEMVs: dense models only (every layer alike).
+        self.fused_one_token = not has_moe(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -101,7 +123,8 @@ class LlamaDecoderLayer(nn.Module):
         output in (one kernel with fused ops). ``residual`` None: ``hidden`` is the embedding (first layer).
         Returns (this layer's MLP output, residual stream before it); the next norm adds the two."""
         opts = forward_batch.kernel_options
-        if opts is not None and opts.fused_gemv and opts.use_gemv(residual if hidden is None else hidden):
+        if self.fused_one_token and opts is not None and opts.fused_gemv \
+                and opts.use_gemv(residual if hidden is None else hidden):
             return None, self.forward_one_token(hidden if residual is None else residual, rope, forward_batch)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden, opts=opts)
@@ -160,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.supports_cuda_graph = not has_moe(config)  # layers.moe's torch path syncs with the host
         if not self.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)  # used as a weight only
 
@@ -188,12 +212,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            parts = name.split(".")
-            shard = None
-            if len(parts) >= 2 and parts[-2] in self._stacked:
-                merged, shard = self._stacked[parts[-2]]
-                parts[-2] = merged
-            target = ".".join(parts)
+            target, shard = self._checkpoint_target(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             try:
@@ -201,17 +220,42 @@ class LlamaForCausalLM(nn.Module):
             except ValueError as e:
                 raise ValueError(f"weight {name!r} {e}") from None
             loaded.add(f"{target}#{shard}" if shard is not None else target)
+        missing = sorted(self._expected_pieces(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    # Expert weights: gate / up / down of expert E, as Qwen3-MoE and Mixtral checkpoints name them.
+    _expert_parts = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+
+    def _checkpoint_target(self, name: str) -> tuple[str, object]:
+        """Our parameter for a checkpoint tensor, and the piece of it the tensor fills (None: all of it)."""
+        parts = name.replace(".block_sparse_moe.", ".mlp.").split(".")
+        if "experts" in parts and len(parts) >= 3 and parts[-2] in self._expert_parts:
+            i = parts.index("experts")
+            kind = self._expert_parts[parts[-2]]
+            prefix = ".".join(parts[:i])
+            return f"{prefix}.{'w2' if kind == 2 else 'w13'}", (int(parts[i + 1]), kind)
+        if len(parts) >= 2 and parts[-2] in self._stacked:
+            merged, shard = self._stacked[parts[-2]]
+            parts[-2] = merged
+            return ".".join(parts), shard
+        return ".".join(parts), None
+
+    def _expected_pieces(self, params: dict) -> set[str]:
+        """Every piece load_weights must see once (fused parameters are filled piece by piece)."""
         expected = set()
         for name in params:
             if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
                 expected |= {f"{name}#{i}" for i in range(3)}
             elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
                 expected |= {f"{name}#{i}" for i in range(2)}
+            elif name.endswith(".w13") or name.endswith(".w2"):
+                kinds = (2,) if name.endswith(".w2") else (0, 1)
+                experts = range(self._owner(name).num_experts)
+                expected |= {f"{name}#{(e, k)}" for e in experts for k in kinds}
             else:
                 expected.add(name)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        return expected
 
     def _owner(self, target: str):
         return self.get_submodule(target.rsplit(".", 1)[0])

@@ -8,13 +8,15 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,  # q/k norms switched on by model_type (models/llama.py)
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,  # and mixture-of-experts MLPs (layers/moe.py)
+    "MixtralForCausalLM": LlamaForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 
 def get_model_class(config):
     archs = getattr(config, "architectures", None) or []
-    if not archs and getattr(config, "model_type", None) in ("llama", "mistral", "qwen2", "qwen3"):
+    if not archs and getattr(config, "model_type", None) in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
         return LlamaForCausalLM
     for arch in archs:
         if arch in MODEL_REGISTRY:
