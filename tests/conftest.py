@@ -166,6 +166,14 @@ def tiny_qwen3_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama3_dir(tmp_path_factory) -> str:
+    """Llama 3.x: rope_scaling type llama3 (scaled low frequencies), rope_theta 500k, GQA, tied embeddings."""
+    return _tiny_dir(tmp_path_factory, "tiny_llama3", rope_theta=500000.0, tie_word_embeddings=True,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
     """Qwen3-MoE: 4 experts, top 2, renormalised; the second of 3 layers dense (mlp_only_layers)."""
     return _tiny_dir(tmp_path_factory, "tiny_qwen3_moe", model_type="qwen3_moe", num_hidden_layers=3,

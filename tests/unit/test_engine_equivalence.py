@@ -36,8 +36,8 @@ def smollm_prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
-@pytest.mark.parametrize("which", ["tiny_gqa_dir", "tiny_tied_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
-                                   "tiny_mixtral_dir", "smollm_dir"])
+@pytest.mark.parametrize("which", ["tiny_gqa_dir", "tiny_tied_dir", "tiny_llama3_dir", "tiny_qwen3_dir",
+                                   "tiny_qwen3_moe_dir", "tiny_mixtral_dir", "smollm_dir"])
 def test_greedy_matches_hf_single_and_batch(which, request, hf_model_cache):
     path = request.getfixturevalue(which)
     hf = hf_model_cache(path)
