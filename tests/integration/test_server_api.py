@@ -330,6 +330,7 @@ def test_prefill_only_request_caches_the_prefix(http):
 def test_model_and_server_info(http, server):
     info = http.get("/get_model_info").json()
     assert info["is_generation"] is True and info["model_path"]
+    assert info["architecture"] == "LlamaForCausalLM"  # the embedded SmolLM2
     srv = http.get("/get_server_info")
     assert srv.status_code == 200
     body = srv.json()

@@ -103,7 +103,8 @@ async def get_model_info(request: Request):
     ctx = get_context(request)
     return {"model_path": ctx.tm.info.get("model_dir"),
             "tokenizer_path": ctx.server_args.tokenizer_path or ctx.tm.info.get("model_dir"),
-            "is_generation": True, "served_model_name": ctx.model_name}
+            "is_generation": True, "served_model_name": ctx.model_name,
+            "architecture": ctx.tm.info.get("architecture")}
 
 
 async def get_server_info(request: Request):

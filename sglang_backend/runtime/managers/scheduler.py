@@ -903,8 +903,10 @@ class SchedulerProcess:
 
     def ready_info(self, model_dir: str) -> dict:
         sched = self.sched
+        config = sched.model_runner.config
         return {
             "model_dir": model_dir,
+            "architecture": (getattr(config, "architectures", None) or [config.model_type])[0],
             "context_len": sched.context_len,
             "max_total_num_tokens": sched.max_total_num_tokens,
             "vocab_size": sched.model_runner.vocab_size,
