@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +74,22 @@ def gpu_split(server_args, dp: int) -> list[dict]:
     return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])} for i in range(dp)]
 
 
+def free_ports_after(port: int, n: int) -> list[int]:
+    """The first ``n`` ports above ``port`` that nothing listens on or holds (a port next to the router's may
+    be a client connection's ephemeral port: binding it would fail the worker's start)."""
+    found = []
+    for candidate in range(port + 1, min(port + 1000, 65536)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+        found.append(candidate)
+        if len(found) == n:
+            return found
+    raise RuntimeError(f"no {n} free ports above {port}")
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = WORKER_STARTUP_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -97,7 +114,7 @@ def serve_dp(server_args, dp: int, policy: str = "cache_aware") -> int:
     if policy not in ROUTER_POLICIES:
         raise SystemExit(f"--router-policy must be one of {ROUTER_POLICIES}")
     logging.basicConfig(level=server_args.log_level.upper(), format="[dp] %(levelname)s %(message)s")
-    ports = [server_args.port + 1 + i for i in range(dp)]
+    *ports, metrics_port = free_ports_after(server_args.port, dp + 1)  # the workers', then the router's metrics
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs: list[subprocess.Popen] = []
     stopping = False
@@ -125,7 +142,7 @@ def serve_dp(server_args, dp: int, policy: str = "cache_aware") -> int:
                 raise
         logger.info("%d workers up: %s", dp, " ".join(urls))
         router = subprocess.Popen(router_argv(urls, server_args.host, server_args.port, policy,
-                                              server_args.port + dp + 1, server_args.log_level, server_args.api_key),
+                                              metrics_port, server_args.log_level, server_args.api_key),
                                   preexec_fn=die_no_sigint)
         procs.append(router)
         logger.info("sglang-router (%s) on http://%s:%d", policy, server_args.host, server_args.port)
