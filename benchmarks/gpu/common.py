@@ -28,7 +28,27 @@ MODELS = {
     "tiny": dict(dtype="float16", config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
                                               max_position_embeddings=4096)),
+    # Qwen3: head_dim 128 whatever hidden / heads is; per-head q/k RMSNorm.
+    "qwen3-8b": dict(dtype="bfloat16", architecture="Qwen3ForCausalLM",
+                     config=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                 max_position_embeddings=40960, rope_theta=1000000.0)),
+    # Qwen3-30B-A3B: 128 experts of intermediate 768, 8 per token (normalised), every layer sparse.
+    "qwen3-30b-a3b": dict(dtype="bfloat16", architecture="Qwen3MoeForCausalLM",
+                          config=dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                      decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                                      num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                      vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0)),
 }
+
+
+def architecture(name: str) -> str:
+    return MODELS[name].get("architecture", "LlamaForCausalLM")
+
+
+def head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 # The run's JSON document, written after every section (so a crash keeps the figures so far).
 RESULT: dict = {}
@@ -135,17 +155,19 @@ def graph_time(fns, reps: int = 7) -> float:
 
 # Model files --------------------------------------------------------------------------------------------------------
 def make_model_dir(name: str) -> str:
-    """A directory with the config (Llama architecture at the shape of ``MODELS[name]``) and a dummy tokenizer;
-    the engines load it with dummy weights."""
+    """A directory with the config (the architecture and shape of ``MODELS[name]``, built with transformers' own
+    config class) and a dummy tokenizer; the engines load it with dummy weights."""
     # Deferred heavy import (transformers takes seconds): only the engine sections need it.
-    from transformers import LlamaConfig
+    import transformers
 
     spec = MODELS[name]
+    arch = architecture(name)
     d = os.path.join(tempfile.gettempdir(), f"sglb_bench_{name}")
     os.makedirs(d, exist_ok=True)
-    cfg = LlamaConfig(**spec["config"], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                      tie_word_embeddings=False)
-    cfg.architectures = ["LlamaForCausalLM"]
+    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    cfg = config_class(**spec["config"], rms_norm_eps=1e-6 if "Qwen" in arch else 1e-5, bos_token_id=1,
+                       eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    cfg.architectures = [arch]
     cfg.save_pretrained(d)
     if not os.path.exists(os.path.join(d, "tokenizer.json")):
         build_dummy_tokenizer(cfg.vocab_size).save_pretrained(d)
@@ -154,15 +176,32 @@ def make_model_dir(name: str) -> str:
 
 def model_bytes(cfg, dtype_bytes: int) -> dict:
     """Parameter and byte counts behind the bandwidth floor (weights + KV read per decode step) and the prefill
-    FLOP count."""
+    FLOP count. A mixture of experts counts the experts a token runs (``matmul_params``, ``weight_bytes`` at
+    batch 1); ``weight_bytes_at`` gives the bytes at a batch, with the experts a random routing touches."""
     h, i, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // H
-    per_layer = h * (H + 2 * Hkv) * d + H * d * h + 2 * h * i + i * h + 2 * h
+    d = head_dim(cfg)
+    attn = h * (H + 2 * Hkv) * d + H * d * h + 2 * h + (2 * d if "head_dim" in cfg else 0)  # + norms
+    experts, top_k = cfg.get("num_experts", 0), cfg.get("num_experts_per_tok", 0)
+    expert_params = 3 * h * cfg["moe_intermediate_size"] if experts else 0
+    mlp = h * experts + top_k * expert_params if experts else 3 * h * i  # router + the experts a token runs
+    per_layer = attn + mlp
     linear_params = L * per_layer + V * h + h  # layers + lm_head + final norm (the embedding is only gathered)
     kv_per_token = 2 * L * Hkv * d * dtype_bytes
     return {"read_params": linear_params, "weight_bytes": linear_params * dtype_bytes, "kv_bytes_per_token": kv_per_token,
-            "matmul_params": L * (per_layer - 2 * h), "lm_head_params": V * h, "layers": L, "heads": H, "head_dim": d}
+            "matmul_params": L * (per_layer - 2 * h), "lm_head_params": V * h, "layers": L, "heads": H, "head_dim": d,
+            "experts": experts, "top_k": top_k, "expert_bytes": expert_params * dtype_bytes}
+
+
+def weight_bytes_at(mb: dict, batch: int) -> float:
+    """Weight bytes one decode step reads at ``batch`` requests: all of a dense model; for a mixture of experts
+    the dense part plus the experts that ``batch`` tokens routed uniformly at random touch on average,
+    E * (1 - (1 - k/E)^batch) per layer."""
+    if not mb.get("experts"):
+        return mb["weight_bytes"]
+    E, k = mb["experts"], mb["top_k"]
+    dense = mb["weight_bytes"] - mb["layers"] * k * mb["expert_bytes"]
+    return dense + mb["layers"] * E * (1 - (1 - k / E) ** batch) * mb["expert_bytes"]
 
 
 # Workloads ----------------------------------------------------------------------------------------------------------

@@ -172,10 +172,11 @@ def check_extend(device, dtype, num_heads, num_kv_heads, head_dim, prefix_lens, 
 
 
 def check_fused_ops(device, dtype, T=37, hidden=320, inter=448, num_heads=8, num_kv_heads=2, head_dim=64, seed=0):
-    """rmsnorm / fused_add_rmsnorm / silu_and_mul / rope_and_store_kv / store_kv vs the reference modules."""
+    """rmsnorm / fused_add_rmsnorm / silu_and_mul / head_rmsnorm_ / rope_and_store_kv / store_kv vs the reference
+    modules."""
     # Needs triton (the layers below import it): deferred so that this module imports without it.
     from sglang_backend.runtime.layers.attention.triton_ops import fused_ops
-    from sglang_backend.runtime.layers.layernorm import RMSNorm
+    from sglang_backend.runtime.layers.layernorm import RMSNorm, head_rmsnorm
     from sglang_backend.runtime.layers.rotary_embedding import apply_rotary
 
     gen = torch.Generator().manual_seed(seed)
@@ -214,6 +215,13 @@ def check_fused_ops(device, dtype, T=37, hidden=320, inter=448, num_heads=8, num
         errs["rope.k"] = rel_err(qkv2[:, H * D : (H + Hkv) * D].reshape(T, Hkv, D), k_ref)
         errs["rope.k_store"] = rel_err(k_buf[loc], k_ref)
         errs["rope.v_store"] = rel_err(v_buf[loc], v_ref)
+        q_norm, k_norm = RMSNorm(D, 1e-6).to(device, dtype), RMSNorm(D, 1e-6).to(device, dtype)
+        q_norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=gen))
+        k_norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=gen))
+        wide = torch.randn(T, (H + 2 * Hkv) * D + 8, generator=gen).to(device, dtype)[:, 3 : 3 + (H + 2 * Hkv) * D]
+        ref = head_rmsnorm(wide.clone(), q_norm, k_norm, H, Hkv, D)  # torch reference (no options)
+        errs["head_rmsnorm"] = rel_err(fused_ops.head_rmsnorm_(wide, q_norm.weight, k_norm.weight, H, Hkv, D, 1e-6),
+                                       ref)
         qkv3 = qkv.clone()
         fused_ops.rope_and_store_kv(qkv3, positions, cos_sin, H, Hkv, D)
         errs["rope.no_store"] = rel_err(qkv3[:, : (H + Hkv) * D], torch.cat([q_ref, k_ref.reshape(T, -1)], -1))

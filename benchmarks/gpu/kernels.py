@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu.common import MODELS, PATHS, RESULT, TUNED, cuda_time, graph_time, log, section
+from benchmarks.gpu.common import MODELS, PATHS, RESULT, TUNED, cuda_time, graph_time, head_dim, log, section
 from benchmarks.gpu.kernel_checks import check_decode, check_extend, check_fused_ops
 from sglang_backend.runtime.layers.kernel_options import KernelConfigs, load_kernel_configs
 
@@ -22,7 +22,7 @@ def attn_shape(name: str):
     """(dtype, query heads, KV heads, head dim) of the model."""
     cfg = MODELS[name]["config"]
     H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    return getattr(torch, MODELS[name]["dtype"]), H, Hkv, cfg["hidden_size"] // H
+    return getattr(torch, MODELS[name]["dtype"]), H, Hkv, head_dim(cfg)
 
 
 # correctness --------------------------------------------------------------------------------------------------------
@@ -307,7 +307,7 @@ def bench_gemv_sweep(name: str):
     dtype = getattr(torch, MODELS[name]["dtype"])
     h, i, H, Hkv, V = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
                        cfg["num_key_value_heads"], cfg["vocab_size"])
-    D = h // H
+    D = head_dim(cfg)
     shapes = {"qkv": ((H + 2 * Hkv) * D, h), "o": (h, H * D), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (V, h)}
     res = {}
     for sname, (n, k) in shapes.items():

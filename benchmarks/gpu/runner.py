@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu.common import (MODELS, PATHS, RESULT, TUNED, alloc_requests, cuda_time, free_requests, log,
-                                   random_kv, section)
+                                   random_kv, section, weight_bytes_at)
 from sglang_backend.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -63,7 +63,7 @@ def time_decode_variant(mr, mb: dict, bw, variant: tuple, res: dict):
     fb = decode_batch(mr, rows, per, bs, ctx, mr.vocab_size)
     pipelined = cuda_time(lambda: mr.forward(fb), 30, 5)
     t_sync = synced_times(mr, fb)
-    floor_bytes = mb["weight_bytes"] + bs * ctx * mb["kv_bytes_per_token"]
+    floor_bytes = weight_bytes_at(mb, bs) + bs * ctx * mb["kv_bytes_per_token"]
     floor = floor_bytes / bw if bw else None
     step = statistics.median(pipelined)
     key = f"decode_bs{bs}_{gemv_mode}_{'pdl' if use_pdl else 'nopdl'}{'' if fused_merge else '_stage2'}"
@@ -311,8 +311,8 @@ def bench_runner_shared(eng, mb: dict):
         log(f"runner decode bs={bs} ctx={ctx} {key} prefix slots: {step * 1e3:.2f} ms")
     bw = RESULT.get("ceilings", {}).get("copy_bw_Bps")
     if bw:
-        res["floor_shared_s"] = (mb["weight_bytes"] + (prefix + bs * unique) * mb["kv_bytes_per_token"]) / bw
-        res["floor_private_s"] = (mb["weight_bytes"] + bs * ctx * mb["kv_bytes_per_token"]) / bw
+        res["floor_shared_s"] = (weight_bytes_at(mb, bs) + (prefix + bs * unique) * mb["kv_bytes_per_token"]) / bw
+        res["floor_private_s"] = (weight_bytes_at(mb, bs) + bs * ctx * mb["kv_bytes_per_token"]) / bw
     eng.flush_cache()
     res["bs"] = bs
     RESULT.setdefault("ours", {})["runner_shared"] = res

@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 
-from benchmarks.gpu.common import MODELS
+from benchmarks.gpu.common import MODELS, architecture, make_model_dir
 from benchmarks.peers.child import TAG, write_json
 from benchmarks.peers.programs import NOT_COVERED
 from benchmarks.peers.report import write_report
@@ -82,11 +82,15 @@ def vllm_model_dir(model: str) -> str:
     """A directory with only the model's config.json, written as a plain dict (as the kit's reference run did:
     vLLM reads it with its own transformers, whatever wrote ours)."""
     spec = MODELS[model]
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5, hidden_act="silu",
-                  rope_theta=10000.0, rope_scaling=None, attention_bias=False, mlp_bias=False,
-                  tie_word_embeddings=False, initializer_range=0.02, bos_token_id=1, eos_token_id=2,
-                  pad_token_id=0, torch_dtype=spec["dtype"], use_cache=True)
-    config.update(spec["config"])  # the shape (and rope_theta where the model sets one)
+    if architecture(model) != "LlamaForCausalLM":  # written by transformers' own config class, as ours loads it
+        with open(os.path.join(make_model_dir(model), "config.json")) as f:
+            config = dict(json.load(f), torch_dtype=spec["dtype"])
+    else:
+        config = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5, hidden_act="silu",
+                      rope_theta=10000.0, rope_scaling=None, attention_bias=False, mlp_bias=False,
+                      tie_word_embeddings=False, initializer_range=0.02, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, torch_dtype=spec["dtype"], use_cache=True)
+        config.update(spec["config"])  # the shape (and rope_theta where the model sets one)
     d = f"/tmp/peers_vllm_{model}"
     os.makedirs(d, exist_ok=True)
     write_json(os.path.join(d, "config.json"), config)

@@ -83,3 +83,18 @@ def test_table_skips_missing_figures():
               "env": {"device": "fake"}}
     text = table("tiny", result)
     assert "decode step bs=1" in text and "variant bs1_off_pdl" in text and "prefill 8x1024" in text
+
+
+def test_moe_floor_counts_the_experts_a_batch_touches():
+    """The MoE shape's batch-1 floor reads the dense part plus top-k experts per layer (Qwen3-30B-A3B runs about
+    3B of its 30B parameters a token), and a large batch approaches every expert."""
+    from benchmarks.gpu.common import MODELS, model_bytes, weight_bytes_at
+
+    dense = model_bytes(MODELS["qwen3-8b"]["config"], 2)
+    assert weight_bytes_at(dense, 64) == weight_bytes_at(dense, 1) == dense["weight_bytes"]
+    moe = model_bytes(MODELS["qwen3-30b-a3b"]["config"], 2)
+    assert 2.9e9 < moe["read_params"] < 3.3e9
+    assert weight_bytes_at(moe, 1) == pytest.approx(moe["weight_bytes"])
+    every_expert = moe["weight_bytes"] + moe["layers"] * (moe["experts"] - moe["top_k"]) * moe["expert_bytes"]
+    assert weight_bytes_at(moe, 1) < weight_bytes_at(moe, 8) < weight_bytes_at(moe, 256) <= every_expert
+    assert weight_bytes_at(moe, 4096) == pytest.approx(every_expert)

@@ -1,5 +1,6 @@
 """RMSNorm, optionally with the residual add before it (``forward(x, residual)``), as one Triton kernel on the GPU
-when the batch's kernel options turn fused ops on, else HF's reference arithmetic in torch."""
+when the batch's kernel options turn fused ops on, else HF's reference arithmetic in torch; ``head_rmsnorm``
+normalises each head of q and k (Qwen3)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,16 @@ class RMSNorm(nn.Module):
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+def head_rmsnorm(qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, num_kv_heads: int,
+                 head_dim: int, opts: KernelOptions | None = None) -> torch.Tensor:
+    """Each head of q and of k in the fused projection's output [T, (H + 2 Hkv) * D] RMS-normalised (weights over
+    head_dim, shared by the heads), v unchanged: in place in one kernel with fused ops, else the torch reference."""
+    if opts is not None and opts.fused_ops:
+        return fused_ops.head_rmsnorm_(qkv, q_norm.weight, k_norm.weight, num_heads, num_kv_heads, head_dim,
+                                       q_norm.eps, pdl=opts.pdl)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q_norm(q.reshape(-1, head_dim)).reshape(q.shape)
+    k = k_norm(k.reshape(-1, head_dim)).reshape(k.shape)
+    return torch.cat([q, k, v], dim=-1)

@@ -23,7 +23,7 @@ from torch import nn
 from ..distributed.parallel_state import get_tp_rank, kv_head_range, split_evenly
 from ..layers.activation import silu_and_mul
 from ..layers.kernel_options import KernelOptions
-from ..layers.layernorm import RMSNorm
+from ..layers.layernorm import RMSNorm, head_rmsnorm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 from ..layers.moe import SparseMoE
 from ..layers.radix_attention import RadixAttention
@@ -68,11 +68,7 @@ class LlamaAttention(nn.Module):
         """The per-head q and k norms on the fused projection's output (models without them: unchanged)."""
         if self.q_norm is None:
             return qkv
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        D = self.head_dim
-        q = self.q_norm(q.reshape(-1, D), opts=opts).reshape(-1, self.q_size)
-        k = self.k_norm(k.reshape(-1, D), opts=opts).reshape(-1, self.kv_size)
-        return torch.cat([q, k, v], dim=-1)
+        return head_rmsnorm(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads, self.head_dim, opts)
 
 
 class LlamaMLP(nn.Module):

@@ -73,6 +73,40 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     return y
 
 
+# Per-head q/k RMSNorm (Qwen3), in place --------------------------------------------------------------------------
+@triton.jit
+def _head_rmsnorm_kernel(QKV, QW, KW, stride_t, num_q_heads, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    ptrs = QKV + t * stride_t + head * D + offs
+    xf = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(xf * xf, 0) / D
+    y = (xf * (1.0 / tl.sqrt(var + eps))).to(QKV.dtype.element_ty)
+    if head < num_q_heads:
+        w = tl.load(QW + offs, mask=mask, other=0.0)
+    else:
+        w = tl.load(KW + offs, mask=mask, other=0.0)
+    tl.store(ptrs, (y.to(tl.float32) * w.to(tl.float32)).to(QKV.dtype.element_ty), mask=mask)
+
+
+def head_rmsnorm_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, head_dim: int, eps: float, pdl: bool = False) -> torch.Tensor:
+    """RMSNorm over each head of q (``q_weight``) and of k (``k_weight``) of the fused projection's output
+    [T, (H + 2 Hkv) * D], in place (v untouched): one launch instead of split, two norms and a cat."""
+    assert qkv.dim() == 2 and qkv.stride(-1) == 1
+    T = qkv.shape[0]
+    if T == 0:
+        return qkv
+    block = triton.next_power_of_2(head_dim)
+    _head_rmsnorm_kernel[(T, num_heads + num_kv_heads)](qkv, q_weight, k_weight, qkv.stride(0), num_heads, head_dim,
+                                                        eps, BLOCK=block, num_warps=1 if block <= 256 else 4,
+                                                        **_pdl.launch_args(qkv, pdl))
+    return qkv
+
+
 # SiLU and mul ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _silu_and_mul_kernel(X, Y, stride_x, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
