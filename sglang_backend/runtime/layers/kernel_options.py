@@ -62,6 +62,10 @@ class KernelConfigs:
     # Stage-1 programs per SM that decode aims for when it splits sequences: 16 splits at batch 1 for 32 MHA
     # heads on 132 SMs, the fastest in attn_sweep on an H100 (11.1 us per layer at 1k context vs 11.9 for 32).
     target_programs_per_sm: float = 3.875
+    # Fused MoE (triton_ops/fused_moe.py) per layer shape "E,k,H,I" (I per rank): rows [max tokens, BLOCK_M,
+    # BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages], the first with T <= max tokens wins (a null bound
+    # matches all); shapes not listed use fused_moe's built-in table (benchmarks/bench_moe.py --sweep).
+    fused_moe_shapes: dict = field(default_factory=dict)
 
     def gemv_config(self, rows: int, cols: int, silu_mul: bool) -> tuple:
         return tuple(self.gemv_shapes.get(f"{rows},{cols},{int(silu_mul)}", self.gemv))
@@ -89,6 +93,8 @@ class KernelConfigs:
                 v = tuple(v)
             elif k == "gemv_shapes":
                 v = {key: tuple(c) for key, c in v.items()}
+            elif k == "fused_moe_shapes":
+                v = {key: tuple(tuple(row) for row in rows) for key, rows in v.items()}
             merged[k] = v
         return dataclasses.replace(base, **merged)
 

@@ -4,9 +4,11 @@ MLP, and their outputs are summed with the router's weights.
 Weights as HF transformers holds them: per expert ``w13`` = [gate; up] rows [E, 2 * I, H] and ``w2`` [E, H, I];
 the router ``gate.weight`` [E, H]. The forward is HF's arithmetic in torch (softmax in fp32, top-k, optional
 renormalisation, weights cast to the activations' dtype; experts visited in ascending order, each one's tokens
-gathered, computed and added back), so greedy outputs match HF's on the CPU; a Triton fused-MoE kernel for the
-GPU is still to come. Tensor parallelism gives each rank a slice of every expert's intermediate size and sums
-the partial outputs with one all-reduce.
+gathered, computed and added back: :func:`torch_moe`), so greedy outputs match HF's on the CPU. On CUDA the
+experts run in the Triton fused-MoE kernel (attention/triton_ops/fused_moe.py), whatever ``fused_ops`` says:
+the torch loop reads each expert's load on the host, the kernel never syncs, so only the kernel lets a decode
+step be captured in a CUDA graph. Tensor parallelism gives each rank a slice of every expert's intermediate
+size and sums the partial outputs with one all-reduce.
 """
 
 from __future__ import annotations
@@ -16,9 +18,41 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size, split_evenly
+from .linear import _check_shape
+
+try:  # optional: triton (the fused-MoE GPU kernel)
+    from .attention.triton_ops.fused_moe import fused_moe
+except ImportError:
+    fused_moe = None
+
+
+def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    """HF's expert loop (the CPU path, and the reference of the fused kernel's tests): [T, H] in x's dtype."""
+    out = torch.zeros_like(x)
+    # Tokens grouped by expert: one sort, then each expert's rows as one slice.
+    top_k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    token_of = order // top_k
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = order[start : start + n]
+        tokens = token_of[start : start + n]
+        start += n
+        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * weights.reshape(-1)[rows, None]
+        out.index_add_(0, tokens, y)
+    return out
 
 
 class SparseMoE(nn.Module):
+    # Whether a CUDA forward is free of host syncs (CUDA-graph capturable): with triton, the fused kernel.
+    cuda_graph_safe = fused_moe is not None
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
                  hidden_act: str = "silu"):
         super().__init__()
@@ -43,22 +77,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, opts=None) -> torch.Tensor:
         experts, weights = self.route(x)
-        out = torch.zeros_like(x)
-        # Tokens grouped by expert: one sort, then each expert's rows as one slice.
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of = order // self.top_k
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = order[start : start + n]
-            tokens = token_of[start : start + n]
-            start += n
-            gate, up = F.linear(x[tokens], self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e]) * weights.reshape(-1)[rows, None]
-            out.index_add_(0, tokens, y)
+        if x.is_cuda and fused_moe is not None:
+            out = fused_moe(x.contiguous(), self.w13, self.w2, experts, weights,
+                            configs=opts.configs if opts is not None else None)
+        else:
+            out = torch_moe(x, self.w13, self.w2, experts, weights)
         return out if self.tp_size == 1 else all_reduce(out)
 
     # Weight loading (called by the model's loader with the full, unsharded tensors) ---------------------
@@ -75,7 +98,7 @@ class SparseMoE(nn.Module):
         [rows, cols] matrix as the checkpoint stores it."""
         s, n, inter = self.inter_start, self.intermediate, self.full_intermediate
         if part is None:
-            _check(full, self.full_shape(param))
+            _check_shape(full, self.full_shape(param))
             if param is self.w13:
                 param.copy_(torch.cat([full[:, s : s + n], full[:, inter + s : inter + s + n]], dim=1))
             else:
@@ -83,13 +106,8 @@ class SparseMoE(nn.Module):
             return
         e, kind = part
         if kind == 2:
-            _check(full, (param.shape[1], inter))
+            _check_shape(full, (param.shape[1], inter))
             param[e].copy_(full[:, s : s + n])
         else:
-            _check(full, (inter, param.shape[2]))
+            _check_shape(full, (inter, param.shape[2]))
             param[e, kind * n : (kind + 1) * n].copy_(full[s : s + n])
-
-
-def _check(t: torch.Tensor, shape: tuple) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"has shape {tuple(t.shape)}, expected {tuple(shape)}")

@@ -195,8 +195,8 @@ class ModelRunner:
         if self.device == "cpu":
             return
         if not getattr(self.model, "supports_cuda_graph", True):
-            logger.info("decode runs without CUDA graphs: this model's torch MoE path reads expert loads on the "
-                        "host each step (no fused-MoE GPU kernel yet)")
+            logger.info("decode runs without CUDA graphs: without triton this model's MoE layers run the torch "
+                        "path, which reads expert loads on the host each step")
         elif not self.server_args.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             self.graph_runner = CudaGraphRunner(self)
 

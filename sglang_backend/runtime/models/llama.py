@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.supports_cuda_graph = not has_moe(config)  # layers.moe's torch path syncs with the host
+        self.supports_cuda_graph = not has_moe(config) or SparseMoE.cuda_graph_safe  # fused MoE: no host sync
         if not self.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)  # used as a weight only
 
