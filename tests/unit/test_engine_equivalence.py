@@ -37,7 +37,7 @@ def smollm_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("which", ["tiny_gqa_dir", "tiny_tied_dir", "tiny_llama3_dir", "tiny_qwen3_dir",
-                                   "tiny_qwen3_moe_dir", "tiny_mixtral_dir", "smollm_dir"])
+                                   "tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_gemma3_dir", "smollm_dir"])
 def test_greedy_matches_hf_single_and_batch(which, request, hf_model_cache):
     path = request.getfixturevalue(which)
     hf = hf_model_cache(path)
@@ -63,7 +63,7 @@ def test_greedy_matches_hf_single_and_batch(which, request, hf_model_cache):
 
 
 @pytest.mark.parametrize("which", ["tiny_gqa_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_mixtral_dir",
-                                   "smollm_dir"])
+                                   "tiny_gemma3_dir", "smollm_dir"])
 def test_logprobs_match_hf(which, request, hf_model_cache):
     path = request.getfixturevalue(which)
     hf = hf_model_cache(path)
@@ -110,9 +110,10 @@ def test_logprobs_match_hf(which, request, hf_model_cache):
 
 @pytest.mark.parametrize("engine_kwargs", [dict(chunked_prefill_size=16), dict(page_size=4),
                                            dict(page_size=4, chunked_prefill_size=16)], ids=str)
-@pytest.mark.parametrize("which", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir"])
+@pytest.mark.parametrize("which", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_gemma3_dir"])
 def test_qwen3_matches_hf_chunked_and_paged(engine_kwargs, which, request, hf_model_cache):
-    """Qwen3's q/k norms and the experts hold under chunked prefill (16 tokens at a time) and 4-token pages."""
+    """Qwen3's q/k norms, the experts and Gemma 3's sliding windows (8 tokens, shorter than a chunk) hold under
+    chunked prefill (16 tokens at a time) and 4-token pages."""
     path = request.getfixturevalue(which)
     hf = hf_model_cache(path)
     prompts = random_prompts(hf.config.vocab_size, seed=1)
@@ -123,6 +124,28 @@ def test_qwen3_matches_hf_chunked_and_paged(engine_kwargs, which, request, hf_mo
         assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == expected
         again = engine.generate(input_ids=prompts, sampling_params=params)  # over the cached prefixes
         assert [o["output_ids"] for o in again] == expected
+        engine.check_pool_whole()
+    finally:
+        engine.shutdown()
+
+
+def test_gemma3_window_over_cached_prefix(tiny_gemma3_dir, hf_model_cache):
+    """A cached prefix of 40 tokens (five windows of 8) extended by suffixes shorter and longer than the window:
+    global layers attend the whole prefix, local ones only its last positions, as HF's full recomputation."""
+    hf = hf_model_cache(tiny_gemma3_dir)
+    prefix = random_prompts(hf.config.vocab_size, lengths=(40,), seed=2)[0]
+    suffixes = random_prompts(hf.config.vocab_size, lengths=(1, 3, 8, 9, 20), seed=3)
+    prompts = [prefix + s for s in suffixes]
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    engine = make_engine(tiny_gemma3_dir)
+    try:
+        params = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
+        engine.generate(input_ids=prefix, sampling_params={"max_new_tokens": 1, "temperature": 0})
+        singles = [engine.generate(input_ids=p, sampling_params=params) for p in prompts[:2]]
+        assert all(o["meta_info"]["cached_tokens"] >= len(prefix) for o in singles)
+        batch = engine.generate(input_ids=prompts[2:], sampling_params=params)  # one extend batch over the prefix
+        assert all(o["meta_info"]["cached_tokens"] >= len(prefix) for o in batch)
+        assert [o["output_ids"] for o in singles + batch] == expected
         engine.check_pool_whole()
     finally:
         engine.shutdown()

@@ -1,4 +1,5 @@
-"""SiLU-and-mul of the gated MLP: one Triton kernel on the GPU with fused ops, else torch's reference."""
+"""Gated MLP activations: SiLU-and-mul (one Triton kernel on the GPU with fused ops, else torch's reference) and
+Gemma's GELU(tanh)-and-mul (torch)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,10 @@ def silu_and_mul(x: torch.Tensor, opts: KernelOptions | None = None) -> torch.Te
         return fused_ops.silu_and_mul(x, pdl=opts.pdl)
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2N] (gate | up) -> [T, N] = gelu_tanh(gate) * up (Gemma's GeGLU; HF's "gelu_pytorch_tanh"). Torch
+    only: two elementwise kernels on the GPU, rounded as HF's separate ops are."""
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

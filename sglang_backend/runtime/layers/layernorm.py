@@ -1,6 +1,6 @@
 """RMSNorm, optionally with the residual add before it (``forward(x, residual)``), as one Triton kernel on the GPU
-when the batch's kernel options turn fused ops on, else HF's reference arithmetic in torch; ``head_rmsnorm``
-normalises each head of q and k (Qwen3)."""
+when the batch's kernel options turn fused ops on, else HF's reference arithmetic in torch; and Gemma's ``(1 + w)``
+variant (``GemmaRMSNorm``, torch only); ``head_rmsnorm`` normalises each head of q and k (Qwen3)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,22 @@ class RMSNorm(nn.Module):
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is an offset from one (``x_normed * (1 + w)``, zeros are the identity) and
+    the scaling happens in fp32 before the one cast back, as HF's Gemma3RMSNorm does (Llama's casts first).
+    Always the torch reference: the fused Llama kernels round differently."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def head_rmsnorm(qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, num_kv_heads: int,

@@ -6,6 +6,13 @@ on the qkv projection's output, when the backend lets the model store K/V itself
 (``AttentionBackend.supports_fused_kv_store``); else rotary alone and the backend stores. At batch 1 with the
 ``fused_rope`` GEMV mode the qkv GEMV does both in its epilogue (``rope_store``; the layer is then told
 ``rotated``).
+
+``sliding_window`` W (None: global attention) makes the layer local: the query at position i sees the keys at
+positions i - W < j <= i, the last W tokens including itself (HF's rule: ``kv_idx > q_idx - sliding_window``).
+Every backend enforces it (torch_native: the mask; triton: the kernels skip and mask keys outside it; flashinfer:
+``window_left = W - 1``). The KV pool and the radix cache still keep every token's K/V in every layer.
+``logit_cap`` (None: none): attention scores become ``cap * tanh(scores / cap)`` (Gemma 2 style softcapping;
+torch_native and flashinfer).
 """
 
 from __future__ import annotations
@@ -24,8 +31,13 @@ except ImportError:
 
 
 class RadixAttention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int):
+    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
+                 sliding_window: int | None = None, logit_cap: float | None = None):
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        self.sliding_window = sliding_window
+        self.logit_cap = logit_cap or None
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scaling = scaling

@@ -22,8 +22,12 @@ class RopeBatch:
     table: torch.Tensor | None = None
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The config's rope parameters; ``layer_type``: those of one kind of layer, for configs that give each kind
+    its own (Gemma 3: "full_attention" / "sliding_attention")."""
     params = getattr(config, "rope_parameters", None)  # transformers >= 5
+    if params and layer_type is not None:
+        return dict(params[layer_type])
     if params:
         return dict(params)
     params = dict(getattr(config, "rope_scaling", None) or {})
@@ -33,9 +37,11 @@ def rope_parameters(config) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int):
+    """``layer_type``: the frequencies of that kind of layer, where the config has one set per kind (Gemma 3)."""
+
+    def __init__(self, config, head_dim: int, layer_type: str | None = None):
         super().__init__()
-        params = rope_parameters(config)
+        params = rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -47,10 +53,20 @@ class RotaryEmbedding(nn.Module):
 
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise NotImplementedError(f"rope type {rope_type!r} is not supported")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            kwargs = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = float(scaling)
         self._table: torch.Tensor | None = None  # the fused kernels' cos|sin table (not a buffer: stays fp32)
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(dtype)`` would round the frequencies to the serving dtype: they stay fp32, as HF keeps
+        them (the model runner's cast of the whole model reaches every rotary embedding of a model)."""
+        inv_freq = self.inv_freq
+        out = super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = inv_freq.to(device=self.inv_freq.device)
+        return out
 
     def for_batch(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool, max_positions: int) -> RopeBatch:
         if fused:

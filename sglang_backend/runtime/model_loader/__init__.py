@@ -1,11 +1,13 @@
 """Model loading: path resolution (aliases, HF dirs, GGUF files, hub ids), configs, weights,
-tokenizers, the embedded default model, and tiny dummy models for tests."""
+tokenizers, the embedded models (the default SmolLM2, Gemma 3 270M), and tiny dummy models for tests."""
 
 from .embedded import (
     DEFAULT_MODEL,
+    GEMMA3_MODEL,
     cache_root,
     default_model_path,
     embedded_gguf_path,
+    gemma3_model_path,
     models_cache_dir,
 )
 from .gguf import convert_gguf_to_hf
@@ -24,6 +26,7 @@ from .loader import (
 
 __all__ = [
     "DEFAULT_MODEL",
+    "GEMMA3_MODEL",
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedModelError",
     "build_dummy_tokenizer",
@@ -33,6 +36,7 @@ __all__ = [
     "default_model_path",
     "dummy_config",
     "embedded_gguf_path",
+    "gemma3_model_path",
     "iterate_weights",
     "load_config",
     "load_tokenizer",

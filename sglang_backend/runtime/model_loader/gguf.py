@@ -8,8 +8,9 @@ permutation of the Q/K projections, and writes a normal HF model directory (``co
 The directory is written into a temporary sibling first and renamed into place at the end, so a crash
 never leaves a half-written model where a later run would look for one.
 
-Only the ``llama`` architecture (Llama, SmolLM, Mistral-as-llama GGUFs) is supported; anything else
-raises ``NotImplementedError`` naming the architecture.
+Supported architectures: ``llama`` (Llama, SmolLM, Mistral-as-llama GGUFs) and ``gemma3`` (Gemma 3 text
+models -> ``Gemma3ForCausalLM``; llama.cpp stores its RMSNorm weights as ``1 + w`` and its Q/K rows unpermuted,
+see :func:`_invert_llama_cpp`). Anything else raises ``NotImplementedError`` naming the architecture.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tqdm import tqdm
 __all__ = [
     "CONVERTER_VERSION",
     "CONVERSION_MARKER",
+    "GEMMA3_CHAT_TEMPLATE",
     "SUPPORTED_GGUF_ARCHITECTURES",
     "convert_gguf_to_hf",
     "gguf_to_hf_config",
@@ -40,7 +42,7 @@ __all__ = [
 CONVERTER_VERSION = 1
 # Written last inside a finished conversion; its presence marks the directory as complete.
 CONVERSION_MARKER = "sglang_backend_conversion.json"
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
 
 # llama.cpp per-block tensor names -> HF names (for the llama family)
 _BLOCK_TENSOR_MAP = {
@@ -54,6 +56,18 @@ _BLOCK_TENSOR_MAP = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 (llama.cpp's MODEL_ARCH.GEMMA3 tensor list): four norms per block plus per-head q/k norms. Its
+# ``ffn_norm`` is the *pre*-feedforward norm (gguf's FFN_PRE_NORM, an alias of FFN_NORM), not Llama's
+# post_attention_layernorm, which here is ``post_attention_norm`` (ATTN_POST_NORM).
+_GEMMA3_BLOCK_TENSOR_MAP = {
+    **{k: v for k, v in _BLOCK_TENSOR_MAP.items() if k != "ffn_norm"},
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_BLOCK_TENSOR_MAPS = {"llama": _BLOCK_TENSOR_MAP, "gemma3": _GEMMA3_BLOCK_TENSOR_MAP}
 _GLOBAL_TENSOR_MAP = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -62,6 +76,29 @@ _GLOBAL_TENSOR_MAP = {
 # Tensors llama.cpp stores that HF recomputes (precomputed rotary tables); skipped silently.
 _SKIPPED_SUFFIXES = ("rope_freqs.weight", "attn_rot_embd.weight", "rope_factors_long.weight",
                      "rope_factors_short.weight")
+
+# Gemma's turn format, for Gemma 3 GGUFs that carry no chat template (GGUFs of the pretrained checkpoints):
+# ``<bos>``, then per message ``<start_of_turn>{user|model}\n{text}<end_of_turn>\n`` (a system message goes
+# in front of the first user turn; Gemma has no system role), then ``<start_of_turn>model\n`` to answer.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set ns.system = messages[0]['content'] if messages[0]['content'] is string"
+    " else messages[0]['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}"
+    "{%- set messages = messages[1:] -%}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{%- if loop.first and ns.system -%}{{ ns.system + '\n\n' }}{%- endif -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for part in message['content'] if part['type'] == 'text' -%}{{ part['text'] | trim }}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -118,8 +155,9 @@ class _ArrayLen(int):
     """Length stand-in for a large metadata array that was not decoded."""
 
 
-def gguf_tensor_name_to_hf(name: str) -> str | None:
-    """Map a llama.cpp tensor name (``blk.3.attn_q.weight``) to its HF name, or None to skip it."""
+def gguf_tensor_name_to_hf(name: str, arch: str = "llama") -> str | None:
+    """Map a llama.cpp tensor name (``blk.3.attn_q.weight``) of a GGUF of architecture ``arch`` to its HF
+    name, or None to skip it."""
     if name.endswith(_SKIPPED_SUFFIXES):
         return None
     base, _, kind = name.rpartition(".")  # kind: weight / bias
@@ -127,13 +165,13 @@ def gguf_tensor_name_to_hf(name: str) -> str | None:
         raise ValueError(f"Unexpected GGUF tensor name {name!r}")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        hf = _BLOCK_TENSOR_MAP.get(part)
+        hf = _BLOCK_TENSOR_MAPS[arch].get(part)
         if hf is None:
-            raise NotImplementedError(f"GGUF tensor {name!r} has no Hugging Face llama equivalent")
+            raise NotImplementedError(f"GGUF tensor {name!r} has no Hugging Face {arch} equivalent")
         return f"model.layers.{int(layer)}.{hf}.{kind}"
     hf = _GLOBAL_TENSOR_MAP.get(base)
     if hf is None:
-        raise NotImplementedError(f"GGUF tensor {name!r} has no Hugging Face llama equivalent")
+        raise NotImplementedError(f"GGUF tensor {name!r} has no Hugging Face {arch} equivalent")
     return f"{hf}.{kind}"
 
 
@@ -163,6 +201,8 @@ def gguf_to_hf_config(meta: dict[str, Any], *, has_output_tensor: bool, vocab_si
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise NotImplementedError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})")
+    if arch == "gemma3":
+        return _gemma3_config(meta, has_output_tensor=has_output_tensor, vocab_size=vocab_size)
     p = f"{arch}."
 
     def need(key: str) -> Any:
@@ -213,6 +253,95 @@ def gguf_to_hf_config(meta: dict[str, Any], *, has_output_tensor: bool, vocab_si
     return LlamaConfig(**kwargs)
 
 
+def _gemma3_layer_types(meta: dict[str, Any], n_layers: int) -> list[str]:
+    """Per-layer attention kinds. llama.cpp's converter writes no pattern for Gemma 3: its loader hard-codes
+    ``set_swa_pattern(6)`` (every 6th layer global), as HF's default ``sliding_window_pattern`` does. Newer
+    files may carry ``attention.sliding_window_pattern`` (an int period, or one bool per layer: sliding)."""
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ValueError(f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries "
+                             f"for {n_layers} layers")
+        return ["sliding_attention" if s else "full_attention" for s in pattern]
+    period = int(pattern)
+    return ["full_attention" if period > 0 and (i + 1) % period == 0 else "sliding_attention"
+            for i in range(n_layers)]
+
+
+def _gemma3_config(meta: dict[str, Any], *, has_output_tensor: bool, vocab_size: int | None):
+    """A transformers ``Gemma3TextConfig`` (``Gemma3ForCausalLM``) from ``gemma3.*`` GGUF metadata.
+
+    What llama.cpp's ``Gemma3Model.set_gguf_parameters`` does not write, its model loader (llama-model.cpp,
+    ``LLM_ARCH_GEMMA3``) hard-codes, and so do we: the sliding-window layers' rope base 10000 (HF's
+    ``rope_local_base_freq``), the attention scale ``1/sqrt(head_dim)`` (HF ``query_pre_attn_scalar =
+    head_dim``) except for the 62-layer 27B, where it is ``hidden_size / num_heads``. Rope scaling (linear)
+    applies to the global layers only. EOS: ``<eos>`` and, when the vocabulary has it, the end-of-turn token
+    (``tokenizer.ggml.eot_token_id``), both of which end generation in llama.cpp.
+    """
+    from transformers import Gemma3TextConfig  # deferred: transformers takes seconds to import
+
+    p = "gemma3."
+
+    def need(key: str) -> Any:
+        if p + key not in meta:
+            raise ValueError(f"GGUF metadata is missing required key {p + key!r}")
+        return meta[p + key]
+
+    hidden = int(need("embedding_length"))
+    n_head = int(need("attention.head_count"))
+    n_layers = int(need("block_count"))
+    head_dim = int(meta.get(p + "attention.key_length", 256))
+    if vocab_size is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab_size = int(len(tokens)) if tokens is not None else int(need("vocab_size"))
+    full = {"rope_type": "default", "rope_theta": float(meta.get(p + "rope.freq_base", 1_000_000.0))}
+    scaling_type = meta.get(p + "rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        if scaling_type != "linear":
+            raise NotImplementedError(f"gemma3 GGUF with rope scaling {scaling_type!r} (only linear is known)")
+        full.update(rope_type="linear", factor=float(need("rope.scaling.factor")))
+    local = {"rope_type": "default", "rope_theta": float(meta.get(p + "rope.freq_base_swa", 10_000.0))}
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    softcap = meta.get(p + "final_logit_softcapping")
+    return Gemma3TextConfig(
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_head,
+        num_key_value_heads=int(meta.get(p + "attention.head_count_kv", n_head)),
+        head_dim=head_dim,
+        max_position_embeddings=int(meta.get(p + "context_length", 131072)),
+        rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters={"full_attention": full, "sliding_attention": local},
+        sliding_window=int(need("attention.sliding_window")),
+        layer_types=_gemma3_layer_types(meta, n_layers),
+        query_pre_attn_scalar=hidden // n_head if n_layers == 62 else head_dim,
+        final_logit_softcapping=float(softcap) if softcap else None,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=not has_output_tensor,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=[eos, eot] if eot is not None and eos is not None and eot != eos else eos,
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        architectures=["Gemma3ForCausalLM"],
+        dtype="float32",
+    )
+
+
+def _find_token_id(reader: Any, text: str) -> int | None:
+    """Id of the vocabulary entry spelled ``text`` (scanning ``tokenizer.ggml.tokens``), or None."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return None
+    want = text.encode("utf-8")
+    for i, idx in enumerate(field.data):
+        part = field.parts[idx]
+        if len(part) == len(want) and bytes(part) == want:
+            return i
+    return None
+
+
 # --------------------------------------------------------------------------------------------------
 # conversion
 # --------------------------------------------------------------------------------------------------
@@ -233,15 +362,64 @@ def _dequantize(tensor: Any) -> np.ndarray:
     return np.ascontiguousarray(arr.reshape(hf_shape), dtype=np.float32)
 
 
-def _save_tokenizer(gguf_path: str, out_dir: str, config: Any) -> Any:
+def _save_tokenizer(gguf_path: str, out_dir: str, config: Any, default_chat_template: str | None = None) -> Any:
+    """The GGUF's tokenizer (built by transformers from the vocabulary, merges and special tokens it carries)
+    saved into ``out_dir``; ``default_chat_template`` is used when the GGUF carries no chat template."""
     from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
                                         gguf_file=os.path.basename(gguf_path))
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
+    if default_chat_template is not None and not tok.chat_template:
+        tok.chat_template = default_chat_template
     tok.save_pretrained(out_dir)
     return tok
+
+
+def _invert_llama_cpp(arch: str, hf_name: str, w: np.ndarray, n_head: int, n_kv: int) -> np.ndarray:
+    """Undo what llama.cpp's convert_hf_to_gguf.py did to an HF tensor.
+
+    * llama: ``LlamaModel.modify_tensors`` permutes the Q/K rows (``LlamaModel.permute``) for llama.cpp's
+      interleaved rope -> :func:`unpermute_qk_from_gguf`.
+    * gemma3: ``Gemma3Model.modify_tensors`` adds ``norm_shift = 1.0`` to every ``*norm.weight`` (HF's
+      Gemma3RMSNorm scales by ``1 + w``; llama.cpp's plain RMSNorm by the stored value) -> subtract 1. Q/K
+      are not permuted (llama.cpp runs Gemma's rope in NEOX = HF's rotate-half layout).
+    """
+    if arch == "gemma3":
+        return w - np.float32(1.0) if hf_name.endswith("norm.weight") else w
+    if hf_name.endswith("self_attn.q_proj.weight") or hf_name.endswith("self_attn.q_proj.bias"):
+        return unpermute_qk_from_gguf(w, n_head)
+    if hf_name.endswith("self_attn.k_proj.weight") or hf_name.endswith("self_attn.k_proj.bias"):
+        return unpermute_qk_from_gguf(w, n_kv)
+    return w
+
+
+def _convert_tensors(reader: Any, arch: str, config: Any, gguf_path: str, bar: Any) -> dict[str, Any]:
+    """Every GGUF tensor dequantized, renamed and inverted into an HF float32 torch tensor (``bar`` ticks once
+    per GGUF tensor); checks that no tensor the HF model needs is missing."""
+    import torch  # deferred: torch is slow to import, and resolving a cached model path imports this module
+
+    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        bar.update()
+        hf_name = gguf_tensor_name_to_hf(t.name, arch)
+        if hf_name is None:
+            continue
+        tensors[hf_name] = torch.from_numpy(_invert_llama_cpp(arch, hf_name, _dequantize(t), n_head, n_kv))
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(config.num_hidden_layers):
+        for hf in _BLOCK_TENSOR_MAPS[arch].values():
+            expected.add(f"model.layers.{i}.{hf}.weight")
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"{gguf_path}: missing tensors after conversion: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    return tensors
 
 
 def _fix_permissions(path: str) -> None:
@@ -253,17 +431,17 @@ def _fix_permissions(path: str) -> None:
         os.chmod(os.path.join(path, name), 0o666 & ~mask)
 
 
-def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False) -> str:
-    """Convert a llama-architecture GGUF file into a float32 Hugging Face model directory.
+def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False,
+                       marker_extra: dict[str, Any] | None = None) -> str:
+    """Convert a llama- or gemma3-architecture GGUF file into a float32 Hugging Face model directory.
 
     Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and the tokenizer
     files (with the GGUF's chat template) into ``out_dir`` atomically and returns ``out_dir``.
     An existing ``out_dir`` is replaced. ``progress``: one progress bar on stderr (reading, then each
-    tensor, the weights file, the tokenizer).
+    tensor, the weights file, the tokenizer). ``marker_extra``: more fields for the conversion marker.
     """
-    # deferred: torch, gguf and transformers are slow to import, and resolving an already converted
+    # deferred: gguf, safetensors and transformers are slow to import, and resolving an already converted
     # model path (embedded.py, loader.py) imports this module
-    import torch
     from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -288,34 +466,13 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False) -> 
     if embd is None:
         raise ValueError(f"{gguf_path}: no token_embd.weight tensor")
     vocab_size = int(embd.shape[-1])  # GGUF shape is [hidden, vocab]
+    if arch == "gemma3" and "tokenizer.ggml.eot_token_id" not in meta:
+        # as llama.cpp's vocabulary loader does: the end-of-turn token is found by its text
+        meta = {**meta, "tokenizer.ggml.eot_token_id": _find_token_id(reader, "<end_of_turn>")}
     config = gguf_to_hf_config(meta, has_output_tensor="output.weight" in names, vocab_size=vocab_size)
-    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
-
-    tensors: dict[str, torch.Tensor] = {}
     bar.reset(total=len(reader.tensors) + 2)  # each tensor, then the weights file and the tokenizer
     bar.set_description_str("dequantizing tensors")
-    for t in reader.tensors:
-        bar.update()
-        hf_name = gguf_tensor_name_to_hf(t.name)
-        if hf_name is None:
-            continue
-        w = _dequantize(t)
-        if hf_name.endswith("self_attn.q_proj.weight") or hf_name.endswith("self_attn.q_proj.bias"):
-            w = unpermute_qk_from_gguf(w, n_head)
-        elif hf_name.endswith("self_attn.k_proj.weight") or hf_name.endswith("self_attn.k_proj.bias"):
-            w = unpermute_qk_from_gguf(w, n_kv)
-        tensors[hf_name] = torch.from_numpy(w)
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    for i in range(config.num_hidden_layers):
-        for hf in _BLOCK_TENSOR_MAP.values():
-            expected.add(f"model.layers.{i}.{hf}.weight")
-    missing = sorted(expected - set(tensors))
-    if missing:
-        raise ValueError(f"{gguf_path}: missing tensors after conversion: {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
+    tensors = _convert_tensors(reader, arch, config, gguf_path, bar)
 
     parent = os.path.dirname(out_dir) or "."
     os.makedirs(parent, exist_ok=True)
@@ -327,7 +484,10 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False) -> 
         del tensors
         bar.update()
         bar.set_description_str("converting the tokenizer")
-        tok = _save_tokenizer(gguf_path, tmp, config)
+        if arch == "gemma3":
+            tok = _save_tokenizer(gguf_path, tmp, config, default_chat_template=GEMMA3_CHAT_TEMPLATE)
+        else:
+            tok = _save_tokenizer(gguf_path, tmp, config)
         bar.update()
         bar.close()
         gen = GenerationConfig(
@@ -347,6 +507,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False) -> 
                 "general.name": meta.get("general.name"),
                 "file_type": meta.get("general.file_type"),
                 "seconds": round(time.perf_counter() - t0, 3),
+                **(marker_extra or {}),
             }, f, indent=2)
         _fix_permissions(tmp)
         # swap into place: move an old directory aside first so the rename itself is atomic

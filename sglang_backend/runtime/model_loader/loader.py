@@ -20,7 +20,8 @@ import os
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ... import environ
-from .embedded import DEFAULT_MODEL_ALIASES, converted_gguf_path, default_model_path, embedded_gguf_path
+from .embedded import (DEFAULT_MODEL_ALIASES, GEMMA3_MODEL_ALIASES, converted_gguf_path, default_model_path,
+                       embedded_gguf_path, gemma3_model_path)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -47,6 +48,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",  # Llama's forward with per-head RMSNorm on q and k (models/llama.py)
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 with mixture-of-experts MLPs (layers/moe.py)
     "MixtralForCausalLM": "mixtral",  # Mistral with mixture-of-experts MLPs
+    "Gemma3ForCausalLM": "gemma3_text",  # text-only Gemma 3, sliding-window + global layers (models/gemma3.py)
     "LlavaForConditionalGeneration": "llava",  # vision tower + a Llama-family LM (models/llava.py)
 }
 
@@ -82,6 +84,9 @@ def resolve_model_path(model_path: str | None) -> str:
 
     * ``None``, ``""``, ``"default"``, ``"smollm2"``, ``"SmolLM2-135M-Instruct"`` (any case) -> the
       embedded SmolLM2 converted into the cache (:func:`default_model_path`).
+    * ``"gemma3-270m"``, ``"gemma-3-270m"``, ``"gemma3"`` (any case) -> the embedded Gemma 3 270M converted
+      into the cache (:func:`gemma3_model_path`; FileNotFoundError naming the pip command when its packages
+      are missing).
     * a directory with ``config.json`` -> itself (absolute).
     * a ``*.gguf`` file (or a directory holding exactly one ``*.gguf`` and no config.json) -> its
       conversion in the cache.
@@ -96,6 +101,8 @@ def resolve_model_path(model_path: str | None) -> str:
     raw = os.fspath(model_path)
     if raw.strip().lower() in {a.lower() for a in DEFAULT_MODEL_ALIASES}:
         return default_model_path()
+    if raw.strip().lower() in {a.lower() for a in GEMMA3_MODEL_ALIASES}:
+        return gemma3_model_path()
 
     path = os.path.expanduser(raw)
     if os.path.isdir(path):
@@ -169,10 +176,15 @@ def load_config(model_path: str | None) -> "PretrainedConfig":
 def check_supported(config: "PretrainedConfig") -> str:
     """Return the architecture name if this runtime implements it, else raise UnsupportedModelError."""
     archs = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", None)
+    if model_type == "gemma3":  # Gemma3ForConditionalGeneration's wrapper (vision tower + text_config)
+        raise UnsupportedModelError(
+            f"Unsupported model {', '.join(archs) or 'gemma3'} (model_type 'gemma3'): the multimodal Gemma 3 is not "
+            f"implemented, only text-only Gemma 3 (Gemma3ForCausalLM with model_type 'gemma3_text'); sglang_backend "
+            f"implements {', '.join(SUPPORTED_ARCHITECTURES)}")
     for a in archs:
         if a in SUPPORTED_ARCHITECTURES:
             return a
-    model_type = getattr(config, "model_type", None)
     if not archs:
         for a, mt in SUPPORTED_ARCHITECTURES.items():
             if mt == model_type:
@@ -180,7 +192,8 @@ def check_supported(config: "PretrainedConfig") -> str:
     shown = ", ".join(archs) if archs else f"model_type={model_type!r}"
     raise UnsupportedModelError(
         f"Unsupported model architecture {shown}: sglang_backend implements "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama / SmolLM / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE families)")
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama / SmolLM / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 text "
+        f"families)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -276,10 +289,12 @@ def dummy_config(**overrides: Any) -> "PretrainedConfig":
 
     ``model_type="qwen2"`` / ``"qwen3"`` / ``"mistral"`` (or ``architecture="Qwen2ForCausalLM"`` ...) picks
     that family's config class instead (Qwen3: head_dim = hidden / heads unless given); every other keyword
-    overrides a config field.
+    overrides a config field. ``"gemma3_text"``: Gemma 3 with tied embeddings, head_dim = hidden / heads,
+    query_pre_attn_scalar = head_dim, a 16-token window and every second layer global, unless given.
     """
     # deferred: heavy (module docstring)
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     overrides = dict(overrides)
     model_type = overrides.pop("model_type", None)
@@ -294,7 +309,8 @@ def dummy_config(**overrides: Any) -> "PretrainedConfig":
                "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
                "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
                "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
-               "mixtral": (MixtralConfig, "MixtralForCausalLM")}
+               "mixtral": (MixtralConfig, "MixtralForCausalLM"),
+               "gemma3_text": (Gemma3TextConfig, "Gemma3ForCausalLM")}
     if model_type not in classes:
         raise UnsupportedModelError(f"dummy_config: unsupported model_type {model_type!r}")
     cls, arch_name = classes[model_type]
@@ -307,9 +323,15 @@ def dummy_config(**overrides: Any) -> "PretrainedConfig":
                       mlp_only_layers=[], norm_topk_prob=True)
     if model_type == "mixtral":
         kwargs.update(num_local_experts=4, num_experts_per_tok=2)
+    if model_type == "gemma3_text":
+        kwargs.update(tie_word_embeddings=True, sliding_window=16)
     kwargs.update(overrides)
-    if model_type in ("qwen3", "qwen3_moe"):  # the config class's own default (128) would not fit the tiny size
+    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):  # the class's default (128 / 256) would not fit
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    if model_type == "gemma3_text":
+        kwargs.setdefault("query_pre_attn_scalar", kwargs["head_dim"])
+        kwargs.setdefault("layer_types", ["full_attention" if i % 2 else "sliding_attention"
+                                          for i in range(kwargs["num_hidden_layers"])])
     return cls(**kwargs)
 
 
@@ -382,7 +404,8 @@ def build_dummy_tokenizer(vocab_size: int = 512):
 def save_dummy_hf_model(config: "PretrainedConfig", out_dir: str, seed: int = 0) -> str:
     """Save a randomly initialized HF model for ``config`` (+ a matching tokenizer) into ``out_dir``.
 
-    The model class follows ``config.model_type`` (llama / mistral / mixtral / qwen2 / qwen3 / qwen3_moe).
+    The model class follows ``config.model_type`` (llama / mistral / mixtral / qwen2 / qwen3 / qwen3_moe /
+    gemma3_text).
     Initialization is seeded
     (the global RNG state is left untouched) and uses ``config.initializer_range``; 1-D parameters
     (norm weights, biases) get extra noise so a loader that swaps or drops them changes the logits.
@@ -390,11 +413,12 @@ def save_dummy_hf_model(config: "PretrainedConfig", out_dir: str, seed: int = 0)
     """
     # deferred: torch and transformers take seconds to import (see the module docstring)
     import torch
-    from transformers import (GenerationConfig, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
-                              Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+    from transformers import (Gemma3ForCausalLM, GenerationConfig, LlamaForCausalLM, MistralForCausalLM,
+                              MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
     classes = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
-               "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM}
+               "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM,
+               "gemma3_text": Gemma3ForCausalLM}
     cls = classes.get(config.model_type)
     if cls is None:
         raise UnsupportedModelError(f"save_dummy_hf_model: unsupported model_type {config.model_type!r}")

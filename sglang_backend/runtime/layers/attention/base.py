@@ -8,6 +8,10 @@ layers ask a backend directly instead of probing it:
 * ``supports_cuda_graph``: decode can be captured in CUDA graphs (``init_forward_metadata_capture``,
   ``decode_graph_variants`` and ``update_shared_prefix`` are then implemented);
 * ``num_cascade_steps``: decode steps that ran in cascade mode (a statistic; 0 where there is none).
+
+Every backend honours the layer's ``sliding_window`` (None: global; W: the query at position i sees keys
+i - W < j <= i, HF's rule) on extend and decode alike, and may reject a ``logit_cap`` it cannot apply
+(layers/radix_attention.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ built on the host from the batch's host-side lengths, the page indices on the GP
 that copies each request's table row (no device-to-host sync, so overlapped decode still overlaps). Decode
 runs eagerly: FlashInfer's plan is host work per batch, which a captured CUDA graph would freeze (the triton
 backend is the one with CUDA graphs). fp16 and bf16 only (FlashInfer has no fp32 kernels).
+
+Sliding-window layers: FlashInfer's window is a planned parameter, ``window_left`` (the query at position i sees
+keys i - window_left .. i; -1: all), so our window W (the last W positions including the query's own, HF's rule)
+is ``window_left = W - 1``; attention softcapping is ``logits_soft_cap``. A plan holds one of each, so every
+distinct (window, cap) of the model gets its own pair of wrappers (Gemma 3: two), planned by the first layer
+using it in each batch; they share the float workspace, as their runs never overlap.
 """
 
 from __future__ import annotations
@@ -80,35 +86,58 @@ class FlashInferAttnBackend(AttentionBackend):
             raise ValueError(f"--attention-backend flashinfer supports head sizes {HEAD_DIMS}; this model's is "
                              f"{self.head_dim}: use --attention-backend triton")
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.num_heads // self.num_kv_heads >= 4)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._flashinfer = flashinfer
+        self.wrappers: dict[tuple, tuple] = {}  # (window_left, soft cap) -> (decode wrapper, prefill wrapper)
+        self.planned: set[tuple] = set()  # the keys planned for the current batch
+        self.pages = None  # (indptr, indices) of the current batch
         self.sm_scale: float | None = None  # planned with this; every layer must use it
 
-    def _plan(self, fb, scale: float) -> None:
+    def _wrappers(self, key: tuple) -> tuple:
+        if key not in self.wrappers:
+            fi = self._flashinfer
+            self.wrappers[key] = (
+                fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                     use_tensor_cores=self.num_heads // self.num_kv_heads >= 4),
+                fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"))
+        return self.wrappers[key]
+
+    def _plan(self, fb, scale: float, key: tuple) -> None:
         lens = list(fb.seq_lens_cpu)
-        indptr, indices = kv_page_indices(device_table(fb.req_to_token_pool), fb.req_pool_indices, lens)
+        if self.pages is None:  # the batch's page lists, shared by its plans
+            self.pages = kv_page_indices(device_table(fb.req_to_token_pool), fb.req_pool_indices, lens)
+        indptr, indices = self.pages
         last_page_len = torch.ones(len(lens), dtype=torch.int32)  # one-token pages are always full
+        window_left, cap = key
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale)
+        if window_left >= 0:  # else FlashInfer's defaults (window_left=-1, no soft cap), as before windows
+            common["window_left"] = window_left
+        if cap is not None:
+            common["logits_soft_cap"] = cap
+        decode_wrapper, prefill_wrapper = self._wrappers(key)
         if fb.forward_mode.is_decode():
-            self.decode_wrapper.plan(indptr, indices, last_page_len, self.num_heads, self.num_kv_heads,
-                                     self.head_dim, 1, **common)
+            decode_wrapper.plan(indptr, indices, last_page_len, self.num_heads, self.num_kv_heads,
+                                self.head_dim, 1, **common)
         else:
             qo_indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int32).cumsum(0)
-            self.prefill_wrapper.plan(qo_indptr, indptr, indices, last_page_len, self.num_heads,
-                                      self.num_kv_heads, self.head_dim, 1, causal=True, **common)
+            prefill_wrapper.plan(qo_indptr, indptr, indices, last_page_len, self.num_heads,
+                                 self.num_kv_heads, self.head_dim, 1, causal=True, **common)
         self.sm_scale = scale
+        self.planned.add(key)
 
     def init_forward_metadata(self, fb) -> None:
         self.sm_scale = None  # planned by the first layer, which brings the softmax scale
+        self.planned = set()
+        self.pages = None
 
     def forward(self, q, k, v, layer, fb, save_kv: bool = True):
-        if self.sm_scale is None:
-            self._plan(fb, layer.scaling)
-        elif layer.scaling != self.sm_scale:
+        window = layer.sliding_window
+        key = (-1 if window is None else window - 1, layer.logit_cap)  # window_left: see the module docstring
+        if self.sm_scale is not None and layer.scaling != self.sm_scale:
             raise ValueError(f"flashinfer backend: layer {layer.layer_id} has softmax scale {layer.scaling}, "
                              f"the batch was planned with {self.sm_scale}")
+        if key not in self.planned:
+            self._plan(fb, layer.scaling, key)
         pool = fb.token_to_kv_pool
         lid = layer.layer_id
         if save_kv:
@@ -116,5 +145,6 @@ class FlashInferAttnBackend(AttentionBackend):
                                v.view(-1, layer.num_kv_heads, layer.head_dim))
         kv = (pool.get_key_buffer(lid).unsqueeze(1), pool.get_value_buffer(lid).unsqueeze(1))  # one-token pages
         q = q.reshape(-1, layer.num_heads, layer.head_dim).contiguous()
-        wrapper = self.decode_wrapper if fb.forward_mode.is_decode() else self.prefill_wrapper
+        decode_wrapper, prefill_wrapper = self.wrappers[key]
+        wrapper = decode_wrapper if fb.forward_mode.is_decode() else prefill_wrapper
         return wrapper.run(q, kv).reshape(-1, layer.num_heads * layer.head_dim)

@@ -1,5 +1,10 @@
 """Reference attention over the paged KV pool with torch SDPA. Exact on CPU; the GPU kernels are checked
-against it."""
+against it.
+
+Sliding-window layers (``layer.sliding_window`` W) mask every key outside the last W positions up to the query
+(HF's rule, see layers/radix_attention.py); layers with a ``logit_cap`` run HF's eager arithmetic (scores scaled,
+softcapped, masked, softmax in fp32), which SDPA cannot express.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,33 @@ import torch.nn.functional as F
 from .base import AttentionBackend
 
 
+def extend_mask(prefix_len: int, extend_len: int, window: int | None, device) -> torch.Tensor:
+    """[extend_len, prefix_len + extend_len] bool: query j sits at position prefix_len + j and sees keys
+    0 .. prefix_len + j, or with a window W only those after position prefix_len + j - W."""
+    q_pos = torch.arange(prefix_len, prefix_len + extend_len, device=device)[:, None]
+    k_pos = torch.arange(prefix_len + extend_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer) -> torch.Tensor:
+    """q [b, H, E, D] over k, v [b, Hkv, L, D]; ``mask`` broadcast to [b, H, E, L] (None: causal, E == L)."""
+    if layer.logit_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scaling,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.scaling
+    cap = layer.logit_cap
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb) -> None:
         self.kv_slots = []  # per request: KV slots of all its tokens (prefix + new)
@@ -16,10 +48,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             # Batched decode: pad every request's slot list to the longest, mask the padding out.
             max_len = max(fb.seq_lens_cpu)
-            seq_lens = torch.tensor(fb.seq_lens_cpu, device=rows.device)
-            pos = torch.arange(max_len, device=rows.device)
-            self.decode_valid = pos[None, :] < seq_lens[:, None]  # [bs, max_len]
+            self.decode_seq_lens = torch.tensor(fb.seq_lens_cpu, device=rows.device)
+            self.decode_pos = torch.arange(max_len, device=rows.device)
+            self.decode_valid = self.decode_pos[None, :] < self.decode_seq_lens[:, None]  # [bs, max_len]
             self.decode_slots = torch.where(self.decode_valid, rows[:, :max_len], 0)
+            self.decode_masks = {None: self.decode_valid}  # per sliding window, built by the first layer using it
         else:
             self.kv_slots = [rows[i, :n] for i, n in enumerate(fb.seq_lens_cpu)]
 
@@ -37,16 +70,19 @@ class TorchNativeAttnBackend(AttentionBackend):
             qi = q[start : start + extend_len].transpose(0, 1).unsqueeze(0)  # [1, H, E, D]
             ki = k_buf[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
             vi = v_buf[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            if prefix_len == 0:
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=True)
-            else:
-                # Query j sits at position prefix_len + j and sees keys 0..prefix_len + j.
-                mask = torch.ones(extend_len, prefix_len + extend_len, dtype=torch.bool, device=q.device)
-                mask = mask.tril(diagonal=prefix_len)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
-            out[start : start + extend_len] = oi.squeeze(0).transpose(0, 1)
+            mask = None  # plain causal (no prefix, no window)
+            if prefix_len > 0 or layer.sliding_window is not None:
+                mask = extend_mask(prefix_len, extend_len, layer.sliding_window, q.device)
+            out[start : start + extend_len] = attend(qi, ki, vi, mask, layer).squeeze(0).transpose(0, 1)
             start += extend_len
         return out.reshape(-1, layer.num_heads * layer.head_dim)
+
+    def _decode_mask(self, window: int | None) -> torch.Tensor:
+        """[bs, max_len]: the valid slots, or with a window W only each request's last W."""
+        if window not in self.decode_masks:
+            self.decode_masks[window] = self.decode_valid & (self.decode_pos[None, :]
+                                                             >= self.decode_seq_lens[:, None] - window)
+        return self.decode_masks[window]
 
     def forward_decode(self, q, k, v, layer, fb, save_kv: bool = True):
         pool = fb.token_to_kv_pool
@@ -57,6 +93,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         q = q.view(-1, layer.num_heads, 1, layer.head_dim)  # [bs, H, 1, D]
         keys = k_buf[self.decode_slots].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]
         values = v_buf[self.decode_slots].transpose(1, 2).to(q.dtype)
-        mask = self.decode_valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
+        mask = self._decode_mask(layer.sliding_window)[:, None, None, :]
+        out = attend(q, keys, values, mask, layer)
         return out.reshape(-1, layer.num_heads * layer.head_dim)

@@ -4,6 +4,12 @@
 Per batch, ``init_forward_metadata`` does only host-side work plus (extend) one small host-to-device copy; the
 decode path reads ``req_pool_indices`` / ``seq_lens`` straight from the batch's device tensors and uses scratch
 buffers allocated once, so a decode step can be captured in a CUDA graph (see cuda_graph_runner.py).
+
+Sliding-window layers (``layer.sliding_window``) pass the window to both kernels, which skip and mask the keys
+outside it. In a cascade decode batch they run the plain split kernel instead: the shared prefix may lie partly
+or wholly outside a request's window, and the simplest correct choice is not to split it off for them (global
+layers of the same batch still use the cascade). Attention softcapping (``layer.logit_cap``) is not implemented
+in these kernels.
 """
 
 from __future__ import annotations
@@ -143,7 +149,14 @@ class TritonAttnBackend(AttentionBackend):
         store_kv(k, v, fb.out_cache_loc, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
                  pdl=(fb.kernel_options or DEFAULT_OPTIONS).pdl)
 
+    @staticmethod
+    def _check(layer) -> None:
+        if layer.logit_cap is not None:
+            raise NotImplementedError("the triton attention backend has no attention logit softcapping; use "
+                                      "--attention-backend torch_native or flashinfer for this model")
+
     def forward_extend(self, q, k, v, layer, fb, save_kv: bool = True):
+        self._check(layer)
         if save_kv:
             self._save(k, v, layer, fb)
         pool = fb.token_to_kv_pool
@@ -153,10 +166,11 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty((T, layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         extend_attention_fwd(qv, o, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
                              device_table(fb.req_to_token_pool), fb.req_pool_indices, prefix_lens, extend_lens,
-                             extend_start, max_extend, layer.scaling)
+                             extend_start, max_extend, layer.scaling, sliding_window=layer.sliding_window)
         return o.view(T, layer.num_heads * layer.head_dim)
 
     def forward_decode(self, q, k, v, layer, fb, save_kv: bool = True):
+        self._check(layer)
         if save_kv:
             self._save(k, v, layer, fb)
         pool = fb.token_to_kv_pool
@@ -164,11 +178,14 @@ class TritonAttnBackend(AttentionBackend):
         bs = q.shape[0]
         splits, prefix_splits = self.decode_splits, self.prefix_splits
         mid_o, mid_lse = self._scratch(bs, splits + prefix_splits)
+        if layer.sliding_window is not None:
+            prefix_splits = 0  # no cascade for windowed layers (module docstring); the same scratch layout
         qv = q.view(bs, layer.num_heads, layer.head_dim)
         o = torch.empty((bs, layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         decode_attention_fwd(qv, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
                              device_table(fb.req_to_token_pool), fb.req_pool_indices, fb.seq_lens, mid_o, mid_lse,
                              splits, layer.scaling, prefix_len=self.prefix_len, prefix_splits=prefix_splits,
                              merge_counters=self.merge_counters if opts.attention_merge == "fused" else None,
-                             configs=opts.configs if fb.kernel_options is not None else self.configs, pdl=opts.pdl)
+                             configs=opts.configs if fb.kernel_options is not None else self.configs, pdl=opts.pdl,
+                             sliding_window=layer.sliding_window)
         return o.view(bs, layer.num_heads * layer.head_dim)

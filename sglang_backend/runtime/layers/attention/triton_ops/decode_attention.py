@@ -20,6 +20,12 @@ sequences) write a zero output with lse = -inf, which the merge weights by zero.
 Stage 1 packs the query heads of one KV head into the rows of a ``tl.dot`` (at least 16, padded), so each KV
 tile is read once per group; MHA runs the same kernel with one row per program (tensor cores do the products
 of a padded row faster than a vector kernel does them on CUDA cores, measured on an H100).
+
+Sliding window W (``sliding_window``; a compile-time switch, so global layers run the very same kernel as
+without it): the new token at position seq_len - 1 sees the keys after position seq_len - 1 - W, the last W.
+Stage 1 then splits only those keys (the splits start at seq_len - W instead of 0), which is the mask and the
+skip in one, with no per-key test. Not with cascade (the shared prefix may lie outside a request's window): the
+caller runs windowed layers without it.
 """
 
 from __future__ import annotations
@@ -64,11 +70,11 @@ def _decode_stage1(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PrefixLen, MidO, MidLse, O, Counters,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, stride_cb,
-    sm_scale_log2,
+    sm_scale_log2, window,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FUSE_MERGE: tl.constexpr,
     IEEE: tl.constexpr, HEAD_FASTEST: tl.constexpr, HAS_PREFIX: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SLIDING: tl.constexpr,
 ):
     pdl_begin(PDL)
     if HEAD_FASTEST:  # programs launched together read neighbouring heads of the same tokens
@@ -83,6 +89,8 @@ def _decode_stage1(
     base = 0
     if HAS_PREFIX:  # the batch-wide shared prefix is attended by _decode_prefix_stage1
         base = tl.load(PrefixLen).to(tl.int32)
+    if SLIDING:  # only the last `window` keys (never with HAS_PREFIX)
+        base = tl.maximum(seq_len - window, 0)
     split_len = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = base + s * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -277,7 +285,8 @@ def num_prefix_programs_per_split(bs: int, num_heads: int, num_kv_heads: int,
 def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                          num_splits: int, sm_scale: float, config: tuple | None = None,
                          prefix_len=None, prefix_splits: int = 0, merge_counters=None,
-                         configs: KernelConfigs | None = None, pdl: bool = False) -> None:
+                         configs: KernelConfigs | None = None, pdl: bool = False,
+                         sliding_window: int | None = None) -> None:
     """q, o: [bs, H, D]; k_buf, v_buf: [slots, Hkv, D]; mid_o: >= [bs, H, num_splits + prefix_splits, D] fp32
     and mid_lse: >= [bs, H, num_splits + prefix_splits] fp32 scratch (any leading layout given by their strides).
 
@@ -288,13 +297,16 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
 
     ``merge_counters``: int32 zeros, >= bs * num_heads, owned by the caller and left zero by every launch; with
     them (and outside cascade mode) stage 2 is folded into stage 1 (see the module docstring). ``config`` (one
-    launch configuration) or else ``configs`` (the tuned table) picks stage 1's launch parameters."""
+    launch configuration) or else ``configs`` (the tuned table) picks stage 1's launch parameters.
+
+    ``sliding_window`` W: each request attends only to its last W keys (None: all); not with cascade mode."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == 1 and o.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
     has_prefix = prefix_splits > 0
     assert not has_prefix or prefix_len is not None
+    assert not (has_prefix and sliding_window is not None), "no cascade decode for sliding-window layers"
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     scale_log2 = sm_scale * LOG2E
@@ -322,10 +334,12 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
         block_n = min(block_n, 32)
     grid = (num_kv_heads, bs, num_splits) if head_fastest else (bs, num_kv_heads, num_splits)
     _decode_stage1[grid](
-        *common, o.stride(0), o.stride(1), num_kv_heads, scale_log2, KV_GROUP=group, HEAD_DIM=head_dim,
+        *common, o.stride(0), o.stride(1), num_kv_heads, scale_log2, sliding_window or 0, KV_GROUP=group,
+        HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits,
         BLOCK_S=block_s, FUSE_MERGE=fuse_merge, IEEE=ieee, HEAD_FASTEST=head_fastest, HAS_PREFIX=has_prefix,
-        PREFIX_SPLITS=prefix_splits if prefix_first else 0, num_warps=warps, num_stages=stages, **launch,
+        PREFIX_SPLITS=prefix_splits if prefix_first else 0, SLIDING=sliding_window is not None, num_warps=warps,
+        num_stages=stages, **launch,
     )
     if fuse_merge or prefix_first:
         return
