@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from benchmarks.bench_moe import TOL, check_align, moe_inputs, moe_reference, rel_err  # noqa: E402
 from sglang_backend.runtime.layers.attention.triton_ops.fused_moe import (  # noqa: E402
-    DEFAULT_MOE_CONFIGS, fused_moe, moe_config)
+    DEFAULT_MOE_CONFIGS, fused_moe, moe_config, topk_softmax)
 from sglang_backend.runtime.layers.moe import SparseMoE, torch_moe  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -140,3 +140,23 @@ def test_engine_moe_greedy_with_and_without_cuda_graphs(tmp_path):
         finally:
             eng.shutdown()
     assert outs["cuda graphs"] == outs["cuda eager"] == outs["cpu"], outs
+
+
+@pytest.mark.parametrize("E,k,renorm", [(8, 2, True), (128, 8, True), (60, 4, False), (256, 8, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_topk_softmax_matches_torch_routing(E, k, renorm, dtype):
+    """The fused routing picks the experts with the top-k probabilities (as torch.topk of the fp32 softmax;
+    among equal probabilities either id is right) and gives their weights as the torch arithmetic rounds them."""
+    seed = random.randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(301, E, generator=g)).to("cuda", dtype)
+    ids, weights = topk_softmax(logits, k, renorm, dtype)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, _ = torch.topk(probs, k, dim=-1)
+    ref_w = top / top.sum(-1, keepdim=True) if renorm else top
+    picked = probs.gather(1, ids.long())
+    assert ids.dtype == torch.int32 and weights.dtype == dtype, f"seed={seed}"
+    assert torch.equal(picked, top), f"seed={seed}: not the top-k probabilities (or not highest first)"
+    assert torch.allclose(weights.float(), ref_w.to(dtype).float(), rtol=1e-2 if dtype != torch.float32 else 1e-6,
+                          atol=0), f"seed={seed}"
+    assert len({tuple(sorted(r)) for r in ids.tolist()}) > 1 and all(len(set(r)) == k for r in ids.tolist())

@@ -20,10 +20,10 @@ from torch import nn
 from ..distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size, split_evenly
 from .linear import _check_shape
 
-try:  # optional: triton (the fused-MoE GPU kernel)
-    from .attention.triton_ops.fused_moe import fused_moe
+try:  # optional: triton (the fused-MoE GPU kernels)
+    from .attention.triton_ops.fused_moe import fused_moe, topk_softmax
 except ImportError:
-    fused_moe = None
+    fused_moe = topk_softmax = None
 
 
 def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor,
@@ -68,8 +68,12 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(top-k expert ids [T, k], their weights [T, k] in x's dtype)."""
-        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float)
+        """(top-k expert ids [T, k], their weights [T, k] in x's dtype); on CUDA in one kernel after the router
+        GEMM, else HF's torch arithmetic."""
+        logits = F.linear(x, self.gate.weight)
+        if x.is_cuda and topk_softmax is not None:
+            return topk_softmax(logits, self.top_k, self.renormalize, x.dtype)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -34,6 +34,47 @@ _ALIGN_BLOCKS = 64  # row blocks per step when it finds each block's expert
 
 
 @triton.jit
+def _topk_softmax_kernel(Logits, Ids, Weights, num_experts, stride_l,
+                         TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, RENORM: tl.constexpr):
+    """One token: softmax of its router logits in fp32, the top-k (highest first, the lower id on ties), their
+    probabilities optionally divided by their sum, cast to the weights' dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_POW2)
+    logits = tl.load(Logits + row * stride_l + offs, mask=offs < num_experts, other=-float("inf")).to(tl.float32)
+    e = tl.exp(logits - tl.max(logits, 0))
+    probs = e / tl.sum(e, 0)
+    kk = tl.arange(0, K_POW2)
+    ids = tl.zeros([K_POW2], dtype=tl.int32)
+    weights = tl.zeros([K_POW2], dtype=tl.float32)
+    left = tl.where(offs < num_experts, probs, -1.0)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(left, 0)
+        ids = tl.where(kk == j, best, ids)
+        weights = tl.where(kk == j, tl.max(left, 0), weights)
+        left = tl.where(offs == best, -1.0, left)
+    if RENORM:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(Ids + row * TOP_K + kk, ids, mask=kk < TOP_K)
+    tl.store(Weights + row * TOP_K + kk, weights.to(Weights.dtype.element_ty), mask=kk < TOP_K)
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (expert ids [T, k] int32, weights [T, k] in ``dtype``): what layers/moe.py's
+    torch routing computes (fp32 softmax, top-k, optional renormalisation, one cast) in one launch instead of
+    five or six small ones, which at decode sizes cost more than the work."""
+    T, E = logits.shape
+    assert logits.stride(-1) == 1
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((T, top_k), dtype=dtype, device=logits.device)
+    if T:
+        _topk_softmax_kernel[(T,)](logits, ids, weights, E, logits.stride(0), TOP_K=top_k,
+                                   K_POW2=triton.next_power_of_2(top_k), E_POW2=triton.next_power_of_2(E),
+                                   RENORM=renormalize, num_warps=1 if E <= 256 else 4)
+    return ids, weights
+
+
+@triton.jit
 def _moe_align_kernel(Experts, SortedIds, BlockExpert, NumValid, Cursor,
                       num_slots, num_experts, max_rows, max_blocks,
                       BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
