@@ -35,10 +35,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         questions = args.question or ["What is the capital of France?",
                                       "Give me one tip for writing clear code, in one sentence."]
-        prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+        # The template writes the model's own special tokens (Gemma's <bos>): tokenized without adding more.
+        prompts = [engine.tokenizer.encode(engine.apply_chat_template([{"role": "user", "content": q}]),
+                                           add_special_tokens=False) for q in questions]
         params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, params)
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
         gen_s = time.perf_counter() - t0
         for q, o in zip(questions, outs):
             cut = o["meta_info"]["finish_reason"]["type"] == "length"
@@ -47,7 +49,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"model {engine.model_dir}: loaded in {load_s:.1f} s; {len(prompts)} answers, {tokens} tokens "
               f"in {gen_s:.2f} s ({tokens / gen_s:.1f} tokens/s)")
         # Ask again: the chat-template prefix and the questions are now in the radix cache.
-        again = engine.generate(prompts, {**params, "max_new_tokens": 1})
+        again = engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})
         counts = [f"{o['meta_info']['cached_tokens']} of {o['meta_info']['prompt_tokens']}" for o in again]
         reused = counts[0] if len(counts) == 1 else ", ".join(counts[:-1]) + " and " + counts[-1]
         print(f"Asked again: {reused} prompt tokens came from the radix cache, so their KV was reused, not\n"

@@ -291,9 +291,7 @@ def test_gemma3_engine_equals_hf_greedy(gemma3_dir):
     engine = make_engine(gemma3_dir, device="cpu", dtype="float32", max_total_tokens=4096)
     try:
         params = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
-        singles = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
-        assert singles == expected
-        engine.flush_cache()
+        # One mixed-length batch (the tiny Gemma 3 of test_engine_equivalence also checks one at a time): CI time.
         batch = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
         assert batch == expected
         engine.check_pool_whole()
