@@ -87,7 +87,7 @@ def fmt_ratio(v: float | None) -> str:
 def markdown(result: dict) -> str:
     meta = result.get("meta", {})
     lines = [f"# Peer benchmark: {meta.get('model')} — ours vs vLLM {meta.get('vllm_version') or '(not run)'}", "",
-             f"GPU: {meta.get('gpu') or '-'}; date {meta.get('date')}; ours {meta.get('ours_version')}, "
+             f"GPU: {meta.get('gpu') or '-'}; date {meta.get('date')}; ours {meta.get('ours_version') or 'git ' + str(meta.get('git_head'))}, "
              f"torch {meta.get('torch_version')}; vLLM attention: {meta.get('vllm_attention_backend') or '-'}",
              "", "Ratio = ours/vLLM for rates and vLLM/ours for times: **> 1 means ours is better**.", "",
              "| workload | metric | ours | vLLM | ratio (>1: ours better) | well-formed ours/vLLM |",

@@ -117,7 +117,7 @@ class ModelRunner:
 
     def _init_dummy_weights(self, model) -> None:
         """Small models: the model's own seeded host init (same weights as on the CPU). Large ones: the same
-        rules (normal(0, initializer_range), norms 1, biases 0) drawn on the GPU, in seconds."""
+        rules (normal(0, initializer_range), norms ``dummy_norm_value``, biases 0) drawn on the GPU, in seconds."""
         seed = self.server_args.random_seed
         numel = sum(p.numel() for p in model.parameters())
         if numel <= SMALL_MODEL_PARAMS:
@@ -125,10 +125,11 @@ class ModelRunner:
             return
         gen = torch.Generator(device=self.device).manual_seed(seed)
         std = float(getattr(self.text_config, "initializer_range", 0.02))
+        norm_value = getattr(model, "dummy_norm_value", 1.0)  # Gemma's (1 + w) norms: 0
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    p.fill_(1.0)
+                    p.fill_(norm_value)
                 elif name.endswith(".bias"):
                     p.zero_()
                 elif self.server_args.tp_size == 1:

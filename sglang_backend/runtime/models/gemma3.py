@@ -27,8 +27,6 @@ round as Llama does); the linears, rotary + KV store and attention use the batch
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 
@@ -36,9 +34,10 @@ from ..distributed.parallel_state import get_tp_rank, kv_head_range, split_evenl
 from ..layers.activation import gelu_tanh_and_mul
 from ..layers.kernel_options import KernelOptions
 from ..layers.layernorm import GemmaRMSNorm
-from ..layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.radix_attention import RadixAttention
 from ..layers.rotary_embedding import RopeBatch, RotaryEmbedding
+from .causal_lm import CausalLM
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_python_tanh")  # HF's names of the same tanh GELU
@@ -151,104 +150,12 @@ class Gemma3Model(nn.Module):
         return self.norm(hidden)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     supports_cuda_graph = True
+    dummy_norm_value = 0.0  # (1 + w) norms: zero is the identity
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = Gemma3Model(config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-        if not self.tie_word_embeddings:
-            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)  # used as a weight only
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-
-    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
-        """Returns final hidden states [num_tokens, hidden]; logits are computed only where needed."""
-        return self.model(input_ids, positions, forward_batch)
-
-    def compute_logits(self, hidden: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
-        logits = vocab_parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size, opts)
-        cap = self.final_logit_softcapping
-        if cap:  # in the logits' dtype, as HF
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
-
-    # Weight loading: HF names in, merged q/k/v and gate/up out.
-    _stacked = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
-    def _target(self, name: str) -> tuple[str, int | None]:
-        """Our parameter for a checkpoint tensor, and the piece of a fused parameter it fills (None: all)."""
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in self._stacked:
-            parts[-2], shard = self._stacked[parts[-2]]
-            return ".".join(parts), shard
-        return name, None
-
-    def _expected_pieces(self) -> set[str]:
-        expected = set()
-        for name, _ in self.named_parameters():
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                expected |= {f"{name}#{i}" for i in range(3)}
-            elif name.endswith("gate_up_proj.weight"):
-                expected |= {f"{name}#{i}" for i in range(2)}
-            else:
-                expected.add(name)
-        return expected
-
-    @torch.no_grad()
-    def _load_full(self, target: str, param: torch.Tensor, full: torch.Tensor, part: int | None = None) -> None:
-        """This rank's shard of the full tensor into ``param`` (norms are replicated)."""
-        owner = self.get_submodule(target.rsplit(".", 1)[0])
-        if hasattr(owner, "load_full"):
-            owner.load_full(param, full, part)
-        elif param.shape != full.shape:
-            raise ValueError(f"has shape {tuple(full.shape)}, expected {tuple(param.shape)}")
-        else:
-            param.copy_(full)
-
-    def full_shape(self, target: str, param: torch.Tensor) -> tuple:
-        """The parameter's shape without tensor parallelism."""
-        owner = self.get_submodule(target.rsplit(".", 1)[0])
-        return owner.full_shape(param) if hasattr(owner, "full_shape") else tuple(param.shape)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
-                continue
-            target, shard = self._target(name)
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            try:
-                self._load_full(target, params[target], tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"weight {name!r} {e}") from None
-            loaded.add(target if shard is None else f"{target}#{shard}")
-        missing = sorted(self._expected_pieces() - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-
-    def init_dummy_weights(self, seed: int = 0) -> None:
-        """Random weights at the config's shapes (benchmarks, tests): normal(0, initializer_range); norms zero
-        (Gemma's identity, ``1 + w``), biases zero."""
-        gen = torch.Generator().manual_seed(seed)
-        std = float(getattr(self.config, "initializer_range", 0.02))
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight") or name.endswith(".bias"):
-                    p.zero_()
-                else:  # drawn at the full shape, so every tp_size gets the same model
-                    full = torch.randn(self.full_shape(name, p), generator=gen, dtype=torch.float32) * std
-                    self._load_full(name, p, full)
+        super().__init__(config, Gemma3Model(config), tie_by_default=True)
 
 
 EntryClass = [Gemma3ForCausalLM]

@@ -15,8 +15,6 @@ modes also take in the norms and the residual adds (``LlamaDecoderLayer.forward_
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 
@@ -24,10 +22,11 @@ from ..distributed.parallel_state import get_tp_rank, kv_head_range, split_evenl
 from ..layers.activation import silu_and_mul
 from ..layers.kernel_options import KernelOptions
 from ..layers.layernorm import RMSNorm, head_rmsnorm
-from ..layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.moe import SparseMoE
 from ..layers.radix_attention import RadixAttention
 from ..layers.rotary_embedding import RopeBatch, RotaryEmbedding
+from .causal_lm import CausalLM
 
 
 def head_dim_of(config) -> int:
@@ -173,119 +172,10 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual, opts)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        super().__init__(config, LlamaModel(config), tie_by_default=False)
         self.supports_cuda_graph = not has_moe(config) or SparseMoE.cuda_graph_safe  # fused MoE: no host sync
-        if not self.tie_word_embeddings:
-            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)  # used as a weight only
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-
-    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
-        """Returns final hidden states [num_tokens, hidden]; logits are computed only where needed."""
-        return self.model(input_ids, positions, forward_batch)
-
-    def compute_logits(self, hidden: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
-        return vocab_parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size, opts).float()
-
-    # Weight loading: HF names in, merged q/k/v and gate/up out.
-    _stacked = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            target, shard = self._checkpoint_target(name)
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            try:
-                self._load_full(target, params[target], tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"weight {name!r} {e}") from None
-            loaded.add(f"{target}#{shard}" if shard is not None else target)
-        missing = sorted(self._expected_pieces(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-
-    # Expert weights: gate / up / down of expert E, as Qwen3-MoE and Mixtral checkpoints name them.
-    _expert_parts = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
-
-    def _checkpoint_target(self, name: str) -> tuple[str, object]:
-        """Our parameter for a checkpoint tensor, and the piece of it the tensor fills (None: all of it)."""
-        parts = name.replace(".block_sparse_moe.", ".mlp.").split(".")
-        if "experts" in parts and len(parts) >= 3 and parts[-2] in self._expert_parts:
-            i = parts.index("experts")
-            kind = self._expert_parts[parts[-2]]
-            prefix = ".".join(parts[:i])
-            return f"{prefix}.{'w2' if kind == 2 else 'w13'}", (int(parts[i + 1]), kind)
-        if len(parts) >= 2 and parts[-2] in self._stacked:
-            merged, shard = self._stacked[parts[-2]]
-            parts[-2] = merged
-            return ".".join(parts), shard
-        return ".".join(parts), None
-
-    def _expected_pieces(self, params: dict) -> set[str]:
-        """Every piece load_weights must see once (fused parameters are filled piece by piece)."""
-        expected = set()
-        for name in params:
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                expected |= {f"{name}#{i}" for i in range(3)}
-            elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
-                expected |= {f"{name}#{i}" for i in range(2)}
-            elif name.endswith(".w13") or name.endswith(".w2"):
-                kinds = (2,) if name.endswith(".w2") else (0, 1)
-                experts = range(self._owner(name).num_experts)
-                expected |= {f"{name}#{(e, k)}" for e in experts for k in kinds}
-            else:
-                expected.add(name)
-        return expected
-
-    def _owner(self, target: str):
-        return self.get_submodule(target.rsplit(".", 1)[0])
-
-    @torch.no_grad()
-    def _load_full(self, target: str, param: torch.Tensor, full: torch.Tensor, part: int | None = None) -> None:
-        """Copies this rank's shard of the full (unsharded) tensor into ``param``; ``part`` picks q/k/v or
-        gate/up inside a fused parameter (None: the fused tensor itself)."""
-        owner = self._owner(target)
-        if hasattr(owner, "load_full"):  # the tensor-parallel layers cut their shard
-            owner.load_full(param, full, part)
-        elif param.shape != full.shape:  # norms: replicated
-            raise ValueError(f"has shape {tuple(full.shape)}, expected {tuple(param.shape)}")
-        else:
-            param.copy_(full)
-
-    def full_shape(self, target: str, param: torch.Tensor) -> tuple:
-        """The parameter's shape without tensor parallelism."""
-        owner = self._owner(target)
-        return owner.full_shape(param) if hasattr(owner, "full_shape") else tuple(param.shape)
-
-    def init_dummy_weights(self, seed: int = 0) -> None:
-        """Random weights at the config's shapes (benchmarks, tests): normal(0, initializer_range), norms 1."""
-        gen = torch.Generator().manual_seed(seed)
-        std = float(getattr(self.config, "initializer_range", 0.02))
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith(".bias"):
-                    p.zero_()
-                else:  # drawn at the full shape, so every tp_size gets the same model
-                    full = torch.randn(self.full_shape(name, p), generator=gen, dtype=torch.float32) * std
-                    self._load_full(name, p, full)
 
 
 EntryClass = [LlamaForCausalLM]
