@@ -194,6 +194,20 @@ def tiny_gemma3_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral_window_dir(tmp_path_factory) -> str:
+    """Mistral with its sliding window (8, shorter than most test prompts) on every layer, GQA."""
+    return _tiny_dir(tmp_path_factory, "tiny_mistral_window", model_type="mistral", sliding_window=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_window_dir(tmp_path_factory) -> str:
+    """Qwen3 with use_sliding_window: window 8 on the layers from max_window_layers (1) on, global below."""
+    return _tiny_dir(tmp_path_factory, "tiny_qwen3_window", model_type="qwen3", num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, use_sliding_window=True, sliding_window=8,
+                     max_window_layers=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory) -> str:
     """Mixtral: 4 experts, top 2, GQA."""
     return _tiny_dir(tmp_path_factory, "tiny_mixtral", model_type="mixtral")

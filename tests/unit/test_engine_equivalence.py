@@ -129,15 +129,18 @@ def test_qwen3_matches_hf_chunked_and_paged(engine_kwargs, which, request, hf_mo
         engine.shutdown()
 
 
-def test_gemma3_window_over_cached_prefix(tiny_gemma3_dir, hf_model_cache):
+@pytest.mark.parametrize("model_fixture", ["tiny_gemma3_dir", "tiny_mistral_window_dir", "tiny_qwen3_window_dir"])
+def test_window_over_cached_prefix(model_fixture, request, hf_model_cache):
     """A cached prefix of 40 tokens (five windows of 8) extended by suffixes shorter and longer than the window:
-    global layers attend the whole prefix, local ones only its last positions, as HF's full recomputation."""
-    hf = hf_model_cache(tiny_gemma3_dir)
+    global layers attend the whole prefix, local ones only its last positions, as HF's full recomputation
+    (Gemma 3 and Qwen3 with use_sliding_window interleave both kinds; Mistral windows every layer)."""
+    model_dir = request.getfixturevalue(model_fixture)
+    hf = hf_model_cache(model_dir)
     prefix = random_prompts(hf.config.vocab_size, lengths=(40,), seed=2)[0]
     suffixes = random_prompts(hf.config.vocab_size, lengths=(1, 3, 8, 9, 20), seed=3)
     prompts = [prefix + s for s in suffixes]
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    engine = make_engine(tiny_gemma3_dir)
+    engine = make_engine(model_dir)
     try:
         params = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
         engine.generate(input_ids=prefix, sampling_params={"max_new_tokens": 1, "temperature": 0})

@@ -316,7 +316,7 @@ def dummy_config(**overrides: Any) -> "PretrainedConfig":
     cls, arch_name = classes[model_type]
     kwargs = dict(_DUMMY_DEFAULTS)
     kwargs["architectures"] = [arch_name]
-    if model_type in ("mistral", "mixtral"):
+    if model_type in ("mistral", "mixtral"):  # full attention unless asked (the config classes default to 4096)
         kwargs["sliding_window"] = None
     if model_type == "qwen3_moe":  # 4 experts of 32, top 2, every layer sparse
         kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,

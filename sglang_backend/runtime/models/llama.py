@@ -29,6 +29,21 @@ from ..layers.rotary_embedding import RopeBatch, RotaryEmbedding
 from .causal_lm import CausalLM
 
 
+def sliding_window_of(config, layer_id: int) -> int | None:
+    """The layer's attention window, as HF applies it: every layer of Mistral, Mixtral and Qwen3-MoE when the
+    config sets ``sliding_window``; Qwen2 and Qwen3 only the layers ``layer_types`` calls "sliding_attention"
+    (their configs keep the window only with ``use_sliding_window``); Llama none."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    if config.model_type in ("mistral", "mixtral", "qwen3_moe"):
+        return window
+    layer_types = getattr(config, "layer_types", None) or []
+    if config.model_type in ("qwen2", "qwen3") and layer_id < len(layer_types):
+        return window if layer_types[layer_id] == "sliding_attention" else None
+    return None
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -51,7 +66,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size, [(total_heads * D, get_tp_rank() * self.q_size, self.q_size), kv_part, kv_part], bias)
         self.o_proj = RowParallelLinear(total_heads * D, config.hidden_size, bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2")
-        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id,
+                                   sliding_window=sliding_window_of(config, layer_id))
         # Qwen3: each head of q and k is RMS-normalised (weights over head_dim, shared by the heads) before rotary.
         self.q_norm = self.k_norm = None
         if config.model_type in ("qwen3", "qwen3_moe"):
