@@ -193,6 +193,16 @@ def unpermute_qk_from_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
              .swapaxes(1, 2).reshape(w.shape))
 
 
+def _required(meta: dict[str, Any], prefix: str):
+    """``need(key)``: the metadata value at ``prefix + key``, or a ValueError naming the missing key."""
+    def need(key: str) -> Any:
+        if prefix + key not in meta:
+            raise ValueError(f"GGUF metadata is missing required key {prefix + key!r}")
+        return meta[prefix + key]
+
+    return need
+
+
 def gguf_to_hf_config(meta: dict[str, Any], *, has_output_tensor: bool, vocab_size: int | None = None):
     """Build a transformers ``LlamaConfig`` from GGUF metadata (``llama.*`` keys)."""
     from transformers import LlamaConfig  # deferred: transformers takes seconds to import
@@ -204,11 +214,7 @@ def gguf_to_hf_config(meta: dict[str, Any], *, has_output_tensor: bool, vocab_si
     if arch == "gemma3":
         return _gemma3_config(meta, has_output_tensor=has_output_tensor, vocab_size=vocab_size)
     p = f"{arch}."
-
-    def need(key: str) -> Any:
-        if p + key not in meta:
-            raise ValueError(f"GGUF metadata is missing required key {p + key!r}")
-        return meta[p + key]
+    need = _required(meta, p)
 
     hidden = int(need("embedding_length"))
     n_head = int(need("attention.head_count"))
@@ -281,11 +287,7 @@ def _gemma3_config(meta: dict[str, Any], *, has_output_tensor: bool, vocab_size:
     from transformers import Gemma3TextConfig  # deferred: transformers takes seconds to import
 
     p = "gemma3."
-
-    def need(key: str) -> Any:
-        if p + key not in meta:
-            raise ValueError(f"GGUF metadata is missing required key {p + key!r}")
-        return meta[p + key]
+    need = _required(meta, p)
 
     hidden = int(need("embedding_length"))
     n_head = int(need("attention.head_count"))
