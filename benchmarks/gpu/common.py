@@ -225,8 +225,8 @@ def make_engine(model_dir: str, dtype: str, **kw):
     t0 = time.perf_counter()
     if TUNED:
         kw.setdefault("kernel_config", PATHS.kernel_config)
-    eng = Engine(model_path=model_dir, load_format="dummy", dtype=dtype, device="cuda", attention_backend="triton",
-                 log_level="warning", **kw)
+    kw.setdefault("attention_backend", "triton")
+    eng = Engine(model_path=model_dir, load_format="dummy", dtype=dtype, device="cuda", log_level="warning", **kw)
     mr = eng.scheduler.model_runner
     log(f"engine up in {time.perf_counter() - t0:.1f} s; KV pool {mr.max_total_num_tokens} tokens; "
         f"graphs {getattr(mr.graph_runner, 'capture_bs', None)}")

@@ -140,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = child_parser("our engine's side of the peer benchmark (one phase)")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--attention-backend", default="triton", help="on the GPU (the CPU runs torch_native)")
     args = ap.parse_args(argv)
     result = new_result("ours", args)
     result["info"]["model"] = args.model
     write_json(args.out, result)
     try:
         t0 = time.perf_counter()
-        client = OurClient(make_engine(args.model, args.device, args.cache == "on", args.mem_fraction))
+        backend = {"attention_backend": args.attention_backend} if args.device == "cuda" else {}
+        client = OurClient(make_engine(args.model, args.device, args.cache == "on", args.mem_fraction, **backend))
         result["info"].update(engine_info(client.eng, time.perf_counter() - t0))
         log("ours", f"cache {args.cache}: engine up in {result['info']['engine_init_s']:.1f} s, "
                     f"KV pool {result['info']['max_total_num_tokens']} tokens")

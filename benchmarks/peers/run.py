@@ -102,7 +102,8 @@ def child_command(args, phase: Phase, out: str) -> list[str]:
     common += ["--smoke"] if args.smoke else []
     if phase.side == "ours":
         return [sys.executable, "-m", "benchmarks.peers.ours", "--model", args.model, "--device", args.device,
-                "--mem-fraction", str(args.ours_mem_fraction), *common]
+                "--mem-fraction", str(args.ours_mem_fraction), "--attention-backend", args.ours_attention_backend,
+                *common]
     spec = MODELS[args.model]
     return [sys.executable, "-m", "benchmarks.peers.vllm_side", "--model-dir", vllm_model_dir(args.model),
             "--dtype", spec["dtype"], "--vocab", str(spec["config"]["vocab_size"]),
@@ -118,6 +119,9 @@ def child_env(args, side: str) -> dict:
         site = args.vllm_site
         if site and os.path.isdir(site) and site not in env["PYTHONPATH"].split(os.pathsep):
             env["PYTHONPATH"] = site + os.pathsep + env["PYTHONPATH"]
+    elif args.ours_attention_backend == "fa3" and args.vllm_site and os.path.isdir(args.vllm_site):
+        # FA3 comes from vLLM's wheel; last on the path, so nothing of ours is shadowed by the kit's packages.
+        env["PYTHONPATH"] += os.pathsep + args.vllm_site
     return env
 
 
@@ -231,6 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="every size shrunk (CPU, tiny model)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="our engine's device")
     ap.add_argument("--ours-mem-fraction", type=float, default=0.85, help="our mem_fraction_static")
+    ap.add_argument("--ours-attention-backend", default="triton", choices=("triton", "fa3", "flashinfer"),
+                    help="our engine's attention backend on the GPU (fa3: FlashAttention 3 from --vllm-site)")
     ap.add_argument("--vllm-mem-fraction", type=float, default=0.9, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--vllm-site", default="/tmp/site", help="put first on the vLLM children's PYTHONPATH if present")
     ap.add_argument("--quiet", action="store_true", help="print only the benchmark's own lines (logs keep all)")

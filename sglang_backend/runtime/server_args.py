@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
-ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer", "fa3")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 GEMV_MODES = ("auto", "off", "on", "fused", "fused_rope")  # resolved by layers/kernel_options.py

@@ -23,6 +23,8 @@ bf16 (prompt logprobs within 0.1: a window off by one token moves them by ~1).
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 
@@ -207,17 +209,20 @@ def gpu_engine_checks() -> bool:
     lp = max(abs(a - b) for a, b in zip(got[1] + got[2], ref[1] + ref[2]))
     ok = got[0] == ref[0] and lp < 1e-3
     print(f"cuda triton fp32 vs torch_native: tokens {got[0] == ref[0]}, logprobs max diff {lp:.1e}")
-    try:
-        import flashinfer  # noqa: F401  (optional: the flashinfer check only where it is installed)
-    except ImportError:
-        print("flashinfer not installed: skipped")
-        return ok
-    ref = _generate(d, prompts, device="cuda", dtype="bfloat16", attention_backend="torch_native")
-    got = _generate(d, prompts, device="cuda", dtype="bfloat16", attention_backend="flashinfer")
-    lp = max(abs(a - b) for a, b in zip(got[2], ref[2]))
-    print(f"cuda flashinfer bf16 vs torch_native bf16: prompt logprobs max diff {lp:.2e}, tokens equal "
-          f"{got[0] == ref[0]} (bf16: informative only)")
-    return ok and lp < 0.1
+    ref = None
+    for backend, module in (("flashinfer", "flashinfer"), ("fa3", "vllm.vllm_flash_attn")):
+        try:  # optional: each bf16 backend check only where its package is installed
+            importlib.import_module(module)
+        except ImportError:
+            print(f"{module} not installed: {backend} skipped")
+            continue
+        ref = ref or _generate(d, prompts, device="cuda", dtype="bfloat16", attention_backend="torch_native")
+        got = _generate(d, prompts, device="cuda", dtype="bfloat16", attention_backend=backend)
+        lp = max(abs(a - b) for a, b in zip(got[2], ref[2]))
+        print(f"cuda {backend} bf16 vs torch_native bf16: prompt logprobs max diff {lp:.2e}, tokens equal "
+              f"{got[0] == ref[0]} (bf16: informative only)")
+        ok = ok and lp < 0.1
+    return ok
 
 
 def main(argv: list[str]) -> int:

@@ -123,6 +123,25 @@ def test_flashinfer_matches_torch_native(peaked_model_dir_hd64, peaked_model_dir
         _run(peaked_model_dir, dtype, attention_backend="flashinfer")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fa3_matches_torch_native(peaked_model_dir_hd64, dtype):
+    """--attention-backend fa3 (needs FlashAttention 3 from vLLM's wheel, Hopper): cold prompts (the contiguous
+    path), prompts over cached prefixes and 16-token chunks (the paged path, one-token pages) give torch_native's
+    greedy tokens, decode being the triton backend's; fp32 is refused with a clear error when the engine starts."""
+    pytest.importorskip("vllm.vllm_flash_attn")
+    ref, ref2, _ = _run(peaked_model_dir_hd64, dtype, attention_backend="torch_native")
+    out, out2, stats = _run(peaked_model_dir_hd64, dtype, attention_backend="fa3")
+    chunked, chunked2, _ = _run(peaked_model_dir_hd64, dtype, attention_backend="fa3", chunked_prefill_size=16)
+    assert stats["cache_hit_rate"] > 0.3
+    ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
+    _same_greedy(ref_ids, ref_top, [r[0] for r in out], dtype, "fa3")
+    _same_greedy(ref_ids, ref_top, out2, dtype, "fa3, cached prefixes")
+    _same_greedy(ref_ids, ref_top, [r[0] for r in chunked], dtype, "fa3, chunked prefill")
+    _same_greedy(ref_ids, ref_top, chunked2, dtype, "fa3, chunked prefill, cached prefixes")
+    with pytest.raises(ValueError, match="float16 and bfloat16"):
+        _run(peaked_model_dir_hd64, "float32", attention_backend="fa3")
+
+
 def test_flashinfer_kv_page_indices():
     """The page list FlashInfer reads: each request's first seq_len slots of its req_to_token row."""
     from sglang_backend.runtime.layers.attention.flashinfer_backend import kv_page_indices

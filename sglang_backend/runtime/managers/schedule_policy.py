@@ -29,15 +29,17 @@ class SchedulePolicy:
 
     def match(self, req: Req) -> None:
         """Refresh the request's cached prefix from the tree (cheap; the tree may have changed)."""
-        result = self.tree_cache.match_prefix(req.all_ids[: req.max_prefix_len()], extra_key=req.extra_key)
+        result = self.tree_cache.match_prefix(_ids_through(req, req.max_prefix_len()), extra_key=req.extra_key)
         req.prefix_indices, req.last_node = result.device_indices, result.last_node
         req.prefix_len_at_match = len(req.prefix_indices)
 
+    def matches_when_ordering(self) -> bool:
+        """Whether ``order`` matches every waiting request against the tree (the cache-aware policies)."""
+        return not self.tree_cache.disable and self.policy in ("lpm", "dfs-weight")
+
     def order(self, waiting: list[Req]) -> list[Req]:
-        if self.tree_cache.disable and self.policy in ("lpm", "dfs-weight"):
-            ordered = list(waiting)  # without a cache every match is empty: FCFS
-        elif self.policy == "fcfs":
-            ordered = list(waiting)
+        if self.policy in ("fcfs", "lpm", "dfs-weight") and not self.matches_when_ordering():
+            ordered = list(waiting)  # fcfs, or a cache-aware policy without a cache (every match empty): FCFS
         elif self.policy == "random":
             ordered = list(waiting)
             self.rng.shuffle(ordered)

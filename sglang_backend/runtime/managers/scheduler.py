@@ -87,6 +87,10 @@ class PrefillPlan:
     prefix_lens: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     admitted_prefixes: InBatchPrefixIndex = field(default_factory=InBatchPrefixIndex)
+    # Requests the policy matched against the tree while ordering this round, and the tree's eviction count
+    # then: their matches stay valid until an admission's allocation evicts (nothing inserts during planning).
+    matched_when_ordered: set[int] = field(default_factory=set)
+    evictions_when_ordered: int = 0
 
 
 @dataclass
@@ -329,6 +333,9 @@ class Scheduler:
         t0 = time.perf_counter()
         ordered = self.policy.order(self.waiting_queue)
         self.stats.tree_op_seconds += time.perf_counter() - t0
+        if self.policy.matches_when_ordering():
+            plan.matched_when_ordered = {id(r) for r in ordered}
+            plan.evictions_when_ordered = self.tree_cache.num_evicted_tokens
         for req in ordered:
             if not self._try_admit(plan, req):
                 break
@@ -363,9 +370,11 @@ class Scheduler:
             return False
         if plan.chunk_budget <= 0 or plan.input_budget <= 0 or admitted and admitted[-1].is_chunked:
             return False
-        t0 = time.perf_counter()
-        self.policy.match(req)  # fresh: earlier admissions may have evicted or extended an older match
-        self.stats.tree_op_seconds += time.perf_counter() - t0
+        evicted_since = self.tree_cache.num_evicted_tokens != plan.evictions_when_ordered
+        if id(req) not in plan.matched_when_ordered or evicted_since:
+            t0 = time.perf_counter()
+            self.policy.match(req)  # fresh: an admission's allocation may have evicted part of an older match
+            self.stats.tree_op_seconds += time.perf_counter() - t0
         if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
                 and plan.admitted_prefixes.shares_uncached_prefix(req):
             return True

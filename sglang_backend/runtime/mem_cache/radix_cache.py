@@ -29,6 +29,9 @@ _SCAN_BLOCK = 64  # tokens compared per slice when looking for where two token l
 
 
 def _as_list(token_ids) -> list[int]:
+    """The ids as a list the tree may read but never keeps (nodes store slices, i.e. copies)."""
+    if type(token_ids) is list:
+        return token_ids
     # Tensors must become plain ints: tensor scalars hash by identity and would never match a dict key.
     if isinstance(token_ids, torch.Tensor):
         return token_ids.tolist()
@@ -125,7 +128,9 @@ class RadixCache(CachedKVPool):
 
     def match_prefix(self, token_ids, extra_key: Hashable = None) -> MatchResult:
         key = _as_list(token_ids)
-        key = key[: self._aligned(len(key))]
+        aligned = self._aligned(len(key))
+        if aligned < len(key):
+            key = key[:aligned]
         tick = self._tick()
         node, pos, values = self.root_node, 0, []
         while pos < len(key):
@@ -143,6 +148,12 @@ class RadixCache(CachedKVPool):
         return MatchResult(indices, node)
 
     def insert(self, token_ids, kv_indices: torch.Tensor, extra_key: Hashable = None) -> int:
+        return self._insert(token_ids, kv_indices, extra_key)[0]
+
+    def _insert(self, token_ids, kv_indices: torch.Tensor, extra_key: Hashable = None) -> tuple[int, list, TreeNode]:
+        """Insert the page-aligned part; returns (how many leading tokens were already cached, the slot tensors
+        of the nodes along the key's path, the node where the key ends): the path is what a match of the same
+        key would return."""
         key = _as_list(token_ids)
         aligned = self._aligned(len(key))
         key = key[:aligned]
@@ -150,7 +161,7 @@ class RadixCache(CachedKVPool):
         # Own copy: callers often pass a view of a req_to_token row that will be reused.
         value = kv_indices[:aligned].to("cpu", torch.int64).clone()
         tick = self._tick()
-        node, pos = self.root_node, 0
+        node, pos, path = self.root_node, 0, []
         while pos < aligned:
             ck = self._child_key(node, key, pos, extra_key)
             child = node.children.get(ck)
@@ -158,14 +169,16 @@ class RadixCache(CachedKVPool):
                 leaf = TreeNode(key[pos:], value[pos:], node, extra_key, tick)
                 node.children[ck] = leaf
                 self._evictable += len(leaf.key)  # new nodes start unlocked
-                return pos
+                path.append(leaf.value)
+                return pos, path, leaf
             n = self._common_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = tick
+            path.append(child.value)
             pos += n
             node = child
-        return pos
+        return pos, path, node
 
     # ------------------------------------------------------------------ eviction (LRU leaves, in the base class)
 
@@ -199,18 +212,22 @@ class RadixCache(CachedKVPool):
         token_ids = _as_list(token_ids)
         n, aligned, n_prefix = len(token_ids), self._aligned(len(token_ids)), len(req.prefix_indices)
         assert n >= n_prefix
-        extra_key = getattr(req, "extra_key", None)
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].clone()
-        present = self.insert(token_ids[:aligned], kv[:aligned], extra_key)
+        row = req.req_pool_idx
+        kv = self.req_to_token_pool.req_to_token[row, :aligned].clone()
+        present, path, last = self._insert(token_ids[:aligned], kv, getattr(req, "extra_key", None))
         assert present >= n_prefix, "the locked prefix vanished from the tree"
+        indices = torch.cat(path) if path else _EMPTY.clone()
+        assert len(indices) == aligned
+        # [n_prefix, present): another request cached these tokens meanwhile; ours are duplicates, freed, and the
+        # row takes the tree's. The rest of the row already holds the tree's slots (the locked prefix, and the
+        # slots the insert just took over as they are).
         self._free(kv[n_prefix:present])
-        match = self.match_prefix(token_ids[:aligned], extra_key)
-        assert len(match.device_indices) == aligned
-        self.req_to_token_pool.write(req.req_pool_idx, 0, match.device_indices)
-        self.inc_lock_ref(match.last_node)
+        if present > n_prefix:
+            self.req_to_token_pool.write(row, n_prefix, indices[n_prefix:present])
+        self.inc_lock_ref(last)
         self.dec_lock_ref(req.last_node)
-        req.prefix_indices = match.device_indices
-        req.last_node = match.last_node
+        req.prefix_indices = indices
+        req.last_node = last
 
     # ------------------------------------------------------------------ debugging
 

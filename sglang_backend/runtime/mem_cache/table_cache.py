@@ -111,7 +111,7 @@ class TableCache(CachedKVPool):
                 child.last_access_time = self._tick()
                 return child, len(key)  # the same sequence is already an entry
         value = kv_indices[start : len(key)].to("cpu", torch.int64).clone()
-        entry = TableEntry(key, value, base, extra_key, self._tick())
+        entry = TableEntry(list(key), value, base, extra_key, self._tick())  # own copy: _as_list may alias
         base.children.setdefault(key[start], []).append(entry)
         self._evictable += len(value)
         return entry, start

@@ -160,7 +160,7 @@ class ModelRunner:
         total = all_reduce_min(total)  # tensor parallelism: rank 0 hands out slots every rank must have
         total = max(sa.page_size, total // sa.page_size * sa.page_size)
         self.max_total_num_tokens = total
-        if self.device != "cpu" and sa.attention_backend in ("triton", "flashinfer"):
+        if self.device != "cpu" and sa.attention_backend in ("triton", "flashinfer", "fa3"):
             self.req_to_token_pool = MirroredReqToTokenPool(sa.max_running_requests, self.context_len + 8, self.device)
         else:
             self.req_to_token_pool = ReqToTokenPool(sa.max_running_requests, self.context_len + 8, self.device)
@@ -184,6 +184,10 @@ class ModelRunner:
             from ..layers.attention.triton_backend import TritonAttnBackend  # optional: triton
 
             self.attn_backend = TritonAttnBackend(self)
+        elif name == "fa3":
+            from ..layers.attention.fa3_backend import FA3AttnBackend  # optional: FlashAttention 3 (vLLM's wheel)
+
+            self.attn_backend = FA3AttnBackend(self)
         else:
             from ..layers.attention.flashinfer_backend import FlashInferAttnBackend  # optional: flashinfer
 
