@@ -2,6 +2,10 @@
 
     python examples/rag_pipeline/run.py                       # in-process engine
     python examples/rag_pipeline/run.py --base-url http://127.0.0.1:30000 --api-key KEY
+
+Retrieval embeds the question and the passages with the runtime itself (``Engine.encode``, or the server's
+/v1/embeddings) and ranks by cosine similarity; BM25 is the fallback when no embeddings can be had (a server
+without /v1/embeddings, or ``--retriever bm25``).
 """
 import argparse
 import json
@@ -16,6 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", ".."), os.path.join(HERE, "..", "..", "adapters", "dspy")]
 
 import dspy  # noqa: E402
+import requests  # noqa: E402
 from sglang_dspy import SGLangLM, hit_rate_from_history  # noqa: E402
 
 _TOKEN = re.compile(r"[a-z0-9]+")
@@ -53,6 +58,57 @@ class BM25:
         s = self.scores(query)
         order = sorted(range(len(s)), key=lambda i: -s[i])
         return [self.passages[i] for i in order[:k]]
+
+
+# PromptEOL: a causal LM's last-token state summarises the text when the prompt asks for a one-word summary. With
+# the server's default last-token pooling, SmolLM2-135M ranks the right passage first for 11 of the 12 questions
+# below this way, 8 without the template.
+EMBED_TEMPLATE = 'This passage: "{}" means in one word:"'
+
+
+class EmbeddingRetriever:
+    """Passages ranked by cosine similarity with the question: a dot product, as the runtime's embeddings are
+    normalized. ``embed(texts)`` returns one vector per text; the passages are embedded once, here."""
+
+    def __init__(self, passages: list[str], embed):
+        self.passages, self.embed = passages, embed
+        self.vectors = embed([EMBED_TEMPLATE.format(p) for p in passages])
+
+    def __call__(self, query: str, k: int = 2) -> list[str]:
+        q = self.embed([EMBED_TEMPLATE.format(query)])[0]
+        s = [sum(a * b for a, b in zip(q, v)) for v in self.vectors]
+        order = sorted(range(len(s)), key=lambda i: -s[i])
+        return [self.passages[i] for i in order[:k]]
+
+
+def server_embedder(base_url: str, api_key: str | None = None):
+    """``embed(texts)`` over a server's OpenAI-compatible /v1/embeddings."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def embed(texts: list[str]) -> list[list[float]]:
+        r = requests.post(base_url.rstrip("/") + "/v1/embeddings", json={"input": texts, "encoding_format": "float"},
+                          headers=headers, timeout=120)
+        r.raise_for_status()
+        return [d["embedding"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+
+    return embed
+
+
+def engine_embedder(engine):
+    """``embed(texts)`` with an in-process ``Engine`` (last-token pooling, as the server's default)."""
+    return lambda texts: [out["embedding"] for out in engine.encode(texts, pooling="last")]
+
+
+def make_retriever(passages: list[str], embed, kind: str = "auto"):
+    """(retriever, its name): embeddings when ``embed`` works (``kind`` auto or embeddings), else BM25."""
+    if kind != "bm25" and embed is not None:
+        try:
+            return EmbeddingRetriever(passages, embed), "embeddings"
+        except (requests.RequestException, KeyError, ValueError) as e:
+            if kind == "embeddings":
+                raise
+            print(f"embeddings unavailable ({type(e).__name__}: {e}); retrieving with BM25")
+    return BM25(passages), "bm25"
 
 
 def load_corpus(path: str = os.path.join(HERE, "corpus", "docs.jsonl")) -> list[str]:
@@ -94,6 +150,8 @@ def main() -> None:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--retriever", choices=("auto", "embeddings", "bm25"), default="auto",
+                    help="auto: the runtime's embeddings, BM25 if it has none")
     args = ap.parse_args()
     # cache=False: every call reaches the runtime, so the cache numbers below are the runtime's own.
     common = dict(max_tokens=args.max_tokens, max_string_length=160, cache=False)
@@ -102,7 +160,10 @@ def main() -> None:
     else:
         lm = SGLangLM(model_path=args.model_path, engine_kwargs={"log_level": "warning"}, **common)
     dspy.configure(lm=lm, adapter=dspy.JSONAdapter())
-    rag = RAG(BM25(load_corpus()))
+    embed = server_embedder(args.base_url, args.api_key) if args.base_url else engine_embedder(lm.runtime)
+    retriever, kind = make_retriever(load_corpus(), embed, args.retriever)
+    print(f"retriever: {kind}")
+    rag = RAG(retriever)
     before = lm.get_stats()
     results = rag.batch([dspy.Example(question=q).with_inputs("question") for q in QUESTIONS],
                         num_threads=args.threads)
@@ -114,7 +175,7 @@ def main() -> None:
     jumped = after.get("num_jump_forward_tokens", 0) - before.get("num_jump_forward_tokens", 0)
     print(f"LM calls: {len(lm.history)}  prefix hints sent: {lm.hints_sent}")
     print(f"cache hit rate seen by the calls (lm.history usage): {hit_rate_from_history(lm.history):.3f}")
-    print(f"runtime cache hit rate this run (hints included): {cached / max(prompt, 1):.3f} "
+    print(f"runtime cache hit rate this run (hints and question embeddings included): {cached / max(prompt, 1):.3f} "
           f"(cached {cached} / prompt {prompt} tokens); jump-forward tokens: {jumped}")
 
 

@@ -18,8 +18,9 @@ from typing import Any, Iterator
 from ..utils import iterate_in_thread
 from .managers.chat_templates import render_chat
 from .managers.detokenizer_manager import Detokenizer
-from .managers.io_struct import StrOut
-from .managers.request_frontend import RequestFrontend, RequestState, expand_samples, format_logprobs
+from .managers.io_struct import PoolingParams, StrOut
+from .managers.request_frontend import (RequestFrontend, RequestState, embedding_result, expand_samples,
+                                        format_logprobs)
 from .managers.scheduler import PoolNotWholeError, Scheduler
 from .managers.scheduler_output import OutputCollector
 from .managers.validation import all_ints
@@ -96,6 +97,22 @@ class Engine:
         results = [self._wait(h) for h in handles]
         return results if is_batch else results[0]
 
+    def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
+               pooling: str | None = None, normalize: bool = True) -> dict | list[dict]:
+        """Embeds one prompt (returns a dict) or a list of prompts (a list of dicts, one per prompt, batched by the
+        scheduler): {"embedding": [floats], "meta_info": {"prompt_tokens", ...}}. The embedding pools the model's
+        final hidden states (after the final norm) over the prompt: ``pooling`` "last" (the last token's state)
+        or "mean" (default: ``--embedding-pooling``), normalized to unit length unless ``normalize=False``."""
+        spec = PoolingParams(pooling or self.server_args.embedding_pooling, normalize)
+        handles, is_batch = self._submit(prompt, None, input_ids, False, None, 0, None, None, False, False,
+                                         pooling=spec)
+        results = [embedding_result(self._wait(h)) for h in handles]
+        return results if is_batch else results[0]
+
+    async def async_encode(self, prompt=None, input_ids=None, **kwargs):
+        """Async twin of ``encode``."""
+        return await asyncio.to_thread(self.encode, prompt, input_ids, **kwargs)
+
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False, **kwargs):
         """Async twin of ``generate``; with ``stream=True`` returns an async iterator."""
         if stream:
@@ -154,7 +171,7 @@ class Engine:
 
     # Submission -------------------------------------------------------------------------------------------------
     def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                rid, extra_key, stream, return_text_in_logprobs, image_data=None):
+                rid, extra_key, stream, return_text_in_logprobs, image_data=None, pooling=None):
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}")
         items, is_batch = self._prompts(prompt, input_ids)
@@ -181,7 +198,7 @@ class Engine:
         gis = [self.frontend.prepare(r or uuid.uuid4().hex, text=item if isinstance(item, str) else None,
                                      input_ids=None if isinstance(item, str) else item, sampling_params=sp,
                                      stream=stream, return_logprob=bool(lp), logprob_start_len=start,
-                                     top_logprobs_num=top, extra_key=extra_key, image_data=im)
+                                     top_logprobs_num=top, extra_key=extra_key, image_data=im, pooling=pooling)
                for item, sp, lp, start, top, r, im in zip(items, params, flags, starts, tops, rids, images)]
         handles = [_Request(gi.rid, queue.Queue(), stream, return_text_in_logprobs=return_text_in_logprobs)
                    for gi in gis]

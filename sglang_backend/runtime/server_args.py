@@ -13,6 +13,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 GEMV_MODES = ("auto", "off", "on", "fused", "fused_rope")  # resolved by layers/kernel_options.py
 ATTENTION_MERGES = ("fused", "stage2")
+EMBEDDING_POOLINGS = ("last", "mean")  # an embedding: the last prompt token's final hidden state, or their mean
 
 
 @dataclass
@@ -24,8 +25,9 @@ class ServerArgs:
     dtype: str = field(default="auto", metadata={"help": "auto: float32 on CPU, bfloat16 on GPU when supported", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     context_length: int | None = field(default=None, metadata={"help": "Override the model's max context length"})
-    served_model_name: str | None = field(default=None, metadata={"help": "Name reported by /v1/models"})
+    served_model_name: str | None = field(default=None, metadata={"help": "Model name(s) reported by /v1/models: comma-separated aliases, the first is the main one (default: the model path). Requests may name any model; the one model answers"})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling"})
+    embedding_pooling: str = field(default="last", metadata={"help": "Embeddings (/v1/embeddings, Engine.encode): pool the final hidden states (after the final norm) of the last token (as Qwen3-Embedding and other causal-LM embedders) or their mean", "choices": EMBEDDING_POOLINGS})
 
     # Memory
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (default: sized from memory)"})
@@ -42,8 +44,14 @@ class ServerArgs:
     disable_radix_cache: bool = field(default=False, metadata={"help": "No prefix reuse (ablation)"})
     table_cache: bool = field(default=False, metadata={"help": "Ablation (no tree): an exact-match table cache that reuses a cached sequence only whole, never part of one"})
     disable_jump_forward: bool = field(default=False, metadata={"help": "Decode grammar-forced text token by token (ablation)"})
-    grammar_compile_timeout: float = field(default=5.0, metadata={"help": "Seconds one request's regex / JSON schema may take to compile (schema -> regex -> automaton -> token masks); past it the request gets 400"})
+    # Grammar budget (constrained/budget.py): counted in sizes, states and steps, so no request is refused because the
+    # machine is busy; the wall-clock limit is an opt-in safety net, off by default.
+    grammar_backend: str = field(default="auto", metadata={"help": "Engine for regex / JSON schema grammars: auto (llguidance when installed), llguidance, or fsm (ours: regex -> DFA -> token index)", "choices": ("auto", "llguidance", "fsm")})
+    grammar_compile_timeout: float | None = field(default=None, metadata={"help": "Last-resort safety net, off by default: seconds one grammar may take to compile before the request gets 400 (depends on load; never cached)"})
     grammar_max_regex_chars: int = field(default=64 * 1024, metadata={"help": "Largest regex a JSON schema may expand to (bounds $ref expansion); larger schemas get 400 at once"})
+    grammar_max_states: int = field(default=250_000, metadata={"help": "Most llguidance lexer states one grammar may build (1-2 kB each)"})
+    grammar_lexer_fuel: int = field(default=1_000_000, metadata={"help": "llguidance work units for building one grammar's lexer (deterministic; ~50k per ms); past it the request gets 400"})
+    grammar_step_fuel: int = field(default=200_000, metadata={"help": "llguidance work units for one token mask (deterministic; ~14k per ms)"})
     enable_in_batch_prefix_dedup: bool = field(default=True, metadata={"help": "Hold back requests whose shared prefix is being computed"})
 
     # Runtime
@@ -88,6 +96,8 @@ class ServerArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.gemv_mode not in GEMV_MODES:
             raise ValueError(f"gemv_mode must be one of {GEMV_MODES}, got {self.gemv_mode!r}")
+        if self.embedding_pooling not in EMBEDDING_POOLINGS:
+            raise ValueError(f"embedding_pooling must be one of {EMBEDDING_POOLINGS}, got {self.embedding_pooling!r}")
         if self.attention_merge not in ATTENTION_MERGES:
             raise ValueError(f"attention_merge must be one of {ATTENTION_MERGES}, got {self.attention_merge!r}")
         if self.disable_fused_ops and self.gemv_mode not in ("auto", "off"):
@@ -107,10 +117,15 @@ class ServerArgs:
         for name in ("header_read_timeout", "body_read_timeout", "body_idle_timeout", "keep_alive_timeout"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be > 0")
-        if self.grammar_compile_timeout <= 0 or self.chat_template_timeout <= 0:
-            raise ValueError("grammar_compile_timeout and chat_template_timeout must be > 0")
-        if self.grammar_max_regex_chars < 1:
-            raise ValueError("grammar_max_regex_chars must be >= 1")
+        if self.chat_template_timeout <= 0:
+            raise ValueError("chat_template_timeout must be > 0")
+        if self.grammar_compile_timeout is not None and not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be > 0 (or unset: no wall-clock limit)")
+        if self.grammar_backend not in ("auto", "llguidance", "fsm"):
+            raise ValueError("grammar_backend must be auto, llguidance or fsm")
+        for name in ("grammar_max_regex_chars", "grammar_max_states", "grammar_lexer_fuel", "grammar_step_fuel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.prepare_workers is not None and self.prepare_workers < 1:
             raise ValueError("prepare_workers must be >= 1")
         if self.table_cache and (self.disable_radix_cache or self.page_size != 1):

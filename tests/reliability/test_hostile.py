@@ -58,7 +58,8 @@ for i, body in enumerate([b"", b" ", b"null", b"true", b"1", b"[]", b'"s"', b"{"
                           b'{"a":' * 5000 + b"1" + b"}" * 5000, b'{"text": "' + b"\\" * 1001 + b'"}',
                           b'{"text": "a", "text": 5}', b"<xml/>", b"text=hi&max=3", b"1e99999",
                           b'{"input_ids": [' + b"1," * 200_000 + b"1]}", b"\x00" * 100]):
-    for path in ("/generate", "/v1/chat/completions", "/v1/completions"):
+    for path in ("/generate", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/chat",
+                 "/api/generate", "/api/embed", "/api/embeddings", "/api/show"):
         case(f"body-{i}-{path.strip('/').replace('/', '-')}", "POST", path, body, JSON_CT)
 case("body-over-limit", "POST", "/generate", b'{"text": "' + b"a" * (9 << 20) + b'"}', JSON_CT)
 case("body-over-limit-chat", "POST", "/v1/chat/completions", b" " * (9 << 20), JSON_CT)
@@ -198,6 +199,65 @@ case("tokenize-not-string", "POST", "/tokenize", {"prompt": ["a"]})
 case("abort-huge-rid", "POST", "/abort_request", {"rid": "z" * 100_000})
 
 
+# --- the embedding and Ollama routes (issue 25): every family's bad input is a 4xx
+def ollama_chat(**kw):
+    return {"model": "default", "messages": USER, "stream": False, "options": {"num_predict": 4}, **kw}
+
+
+def ollama_gen(**kw):
+    return {"model": "default", "prompt": "Hi", "stream": False, "options": {"num_predict": 4}, **kw}
+
+
+NEW_ROUTES = [
+    ("emb-input-huge", "/v1/embeddings", {"input": "a" * (CTX * 64 + 1)}),
+    ("emb-ids-too-long", "/v1/embeddings", {"input": [5] * CTX}),
+    ("emb-batch-1025", "/v1/embeddings", {"input": ["a"] * 1025}),
+    ("emb-ids-out-of-vocab", "/v1/embeddings", {"input": [[5], [10**9]]}),
+    ("emb-surrogate", "/v1/embeddings", raw({"input": SURR})),
+    ("emb-dimensions-negative", "/v1/embeddings", {"input": "a", "dimensions": -1}),
+    ("emb-format", "/v1/embeddings", {"input": "a", "encoding_format": "binary"}),
+    ("ollama-num-predict-1e30", "/api/generate", ollama_gen(options={"num_predict": 10**30})),
+    ("ollama-top-k-huge", "/api/chat", ollama_chat(options={"top_k": 2**64})),
+    ("ollama-temperature-nan", "/api/chat", raw(ollama_chat(options={"temperature": float("nan")}))),
+    ("ollama-seed-float", "/api/chat", ollama_chat(options={"seed": 1e300})),
+    ("ollama-stop-17", "/api/chat", ollama_chat(options={"stop": ["s"] * 17})),
+    ("ollama-stop-surrogate", "/api/chat", raw(ollama_chat(options={"stop": [SURR]}))),
+    ("ollama-options-list", "/api/chat", ollama_chat(options=[1, 2])),
+    ("ollama-messages-10000", "/api/chat", ollama_chat(messages=USER * 10000)),
+    ("ollama-content-huge", "/api/chat", ollama_chat(messages=[{"role": "user", "content": "b" * (CTX * 64 + 1)}])),
+    ("ollama-content-surrogate", "/api/chat", raw(ollama_chat(messages=[{"role": "user", "content": SURR}]))),
+    ("ollama-template-injection", "/api/chat", ollama_chat(messages=[{"role": "user", "content":
+                                                                       "{% for x in range(10**9) %}{% endfor %}"}])),
+    ("ollama-format-nested-200", "/api/chat", ollama_chat(format=json.loads('{"type":"array","items":' * 200
+                                                                             + '{"type":"integer"}' + "}" * 200))),
+    ("ollama-format-remote-ref", "/api/generate", ollama_gen(format={"$ref": "http://127.0.0.1:1/evil.json"})),
+    ("ollama-format-minlength", "/api/generate", ollama_gen(format={"type": "string", "minLength": 10**9})),
+    ("ollama-format-list", "/api/generate", ollama_gen(format=["json"])),
+    ("ollama-context-huge", "/api/generate", ollama_gen(context=[5] * CTX)),
+    ("ollama-context-negative", "/api/generate", ollama_gen(context=[-1])),
+    ("ollama-prompt-huge", "/api/generate", ollama_gen(prompt="a" * (CTX * 64 + 1))),
+    ("ollama-template", "/api/generate", ollama_gen(template="{{ .System }}")),
+    ("ollama-raw-string", "/api/generate", ollama_gen(raw="yes")),
+    ("ollama-embed-batch-1025", "/api/embed", {"model": "m", "input": ["a"] * 1025}),
+    ("ollama-embed-no-truncate-long", "/api/embed", {"model": "m", "input": "hello " * 2000, "truncate": False}),
+    ("ollama-embed-dimensions", "/api/embed", {"model": "m", "input": "a", "dimensions": 10**12}),
+    ("ollama-embeddings-list", "/api/embeddings", {"model": "m", "prompt": ["a"]}),
+    ("ollama-show-model-list", "/api/show", {"model": ["m"]}),
+]
+for name, path, body in NEW_ROUTES:
+    case(f"new-{name}", "POST", path, body, JSON_CT if isinstance(body, bytes) else None)
+for field in ("model", "messages", "stream", "format", "options", "keep_alive", "think", "tools"):
+    for j, value in enumerate(CONFUSION):
+        case(f"confuse-ollama-chat-{field}-{j}", "POST", "/api/chat", ollama_chat(**{field: value}))
+for field in ("prompt", "system", "context", "raw", "images", "suffix"):
+    for j, value in enumerate(CONFUSION[:6]):
+        case(f"confuse-ollama-gen-{field}-{j}", "POST", "/api/generate", ollama_gen(**{field: value}))
+for field in ("input", "truncate", "dimensions"):
+    for j, value in enumerate(CONFUSION[:6]):
+        case(f"confuse-ollama-embed-{field}-{j}", "POST", "/api/embed", {"model": "m", "input": "a", field: value})
+        case(f"confuse-embeddings-{field}-{j}", "POST", "/v1/embeddings", {"input": "a", field: value})
+
+
 def send(server, method: str, path: str, body, extra_headers: dict, timeout: float = 60.0) -> httpx.Response:
     """``extra_headers`` values of None remove that header (e.g. no Authorization at all)."""
     headers = {k: v for k, v in {**server.headers, **extra_headers}.items() if v is not None}
@@ -217,6 +277,9 @@ def check_answer(r: httpx.Response, where: str) -> None:
             assert err is None or err.get("code", 500) < 500, f"{where}: stream error {event[:300]}"
     if r.status_code >= 400 and r.request.method != "HEAD":
         err = r.json().get("error")
+        if r.request.url.path.startswith("/api/") and isinstance(err, str):  # Ollama's error body: {"error": "..."}
+            assert err, f"{where}: {r.text[:300]}"
+            return
         assert isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"], f"{where}: {r.text[:300]}"
         assert isinstance(err.get("type"), str), f"{where}: {r.text[:300]}"
 
@@ -284,6 +347,11 @@ def _cap_tokens(body):
         if ("text" in body or "input_ids" in body) and not isinstance(sp, (dict, list)):
             body["sampling_params"] = {"max_new_tokens": 4}
         body.pop("n", None) if isinstance(body.get("n"), int) and body["n"] > 4 else None
+        options = body.get("options")  # Ollama's generation length
+        if isinstance(options, dict) and not (isinstance(options.get("num_predict"), int) and 0 <= options["num_predict"] <= 8):
+            options["num_predict"] = 4
+        elif options is None and ("messages" in body or "prompt" in body):
+            body["options"] = {"num_predict": 4}
     return body
 
 
@@ -326,7 +394,8 @@ def fuzz_routes(rel_server):
 
 def test_openapi_schema_documents_request_bodies(fuzz_routes):
     paths = {p for p, _ in fuzz_routes}
-    assert {"/generate", "/v1/chat/completions", "/v1/completions", "/tokenize", "/abort_request"} <= paths
+    assert {"/generate", "/v1/chat/completions", "/v1/completions", "/tokenize", "/abort_request", "/v1/embeddings",
+            "/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show"} <= paths
 
 
 # >= 1,000 requests from a fixed seed (derandomize): FUZZ_EXAMPLES hypothesis examples of FUZZ_BATCH bodies each,

@@ -47,7 +47,7 @@ def cache_dir(tmp_path):
 
 @pytest.fixture(scope="module")
 def cache(tokenizer, tmp_path_factory):
-    c = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id},
+    c = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, backend="fsm",  # our engine's internals
                      cache_dir=str(tmp_path_factory.mktemp("fsm_shared")))
     yield c
     c.shutdown()
@@ -192,7 +192,7 @@ def test_multibyte_tokens_inside_characters(cache, tokenizer):
     ],
 )
 def test_compile_errors(tokenizer, tmp_path, kind, spec, match):
-    c = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, cache_dir=str(tmp_path),
+    c = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, backend="fsm", cache_dir=str(tmp_path),
                      regex_options={"max_byte_states": 5000})
     with pytest.raises(ValueError, match=match):
         c.compile(kind, spec)
@@ -219,7 +219,7 @@ SCHEMA = {"type": "object",
 
 
 def test_cache_memory_and_disk(tokenizer, cache_dir):
-    c1 = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, cache_dir=cache_dir)
+    c1 = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, backend="fsm", cache_dir=cache_dir)
     t0 = time.perf_counter()
     g1 = c1.compile("json_schema", json.dumps(SCHEMA))
     cold = time.perf_counter() - t0
@@ -230,7 +230,7 @@ def test_cache_memory_and_disk(tokenizer, cache_dir):
     hot = time.perf_counter() - t0
     assert hot < cold / 5 and hot < 0.05
     # A fresh cache (a new process, say) reuses the disk entry: no rebuild.
-    c2 = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, cache_dir=cache_dir)
+    c2 = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, backend="fsm", cache_dir=cache_dir)
     t0 = time.perf_counter()
     g2 = c2.compile("json_schema", json.dumps(SCHEMA))
     disk = time.perf_counter() - t0
@@ -239,7 +239,7 @@ def test_cache_memory_and_disk(tokenizer, cache_dir):
     assert np.array_equal(g1.index.masks, g2.index.masks)
     assert np.array_equal(g1.dfa.transitions, g2.dfa.transitions)
     # A different EOS set is a different index.
-    c3 = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id, 1}, cache_dir=cache_dir)
+    c3 = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id, 1}, backend="fsm", cache_dir=cache_dir)
     c3.compile("json_schema", json.dumps(SCHEMA))
     assert c3.stats["builds"] == 1
     for c in (c1, c2, c3):
@@ -247,7 +247,7 @@ def test_cache_memory_and_disk(tokenizer, cache_dir):
 
 
 def test_submit_is_async_and_deduplicated(tokenizer, cache_dir):
-    c = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, cache_dir=cache_dir)
+    c = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, backend="fsm", cache_dir=cache_dir)
     futs = [c.submit("regex", r"[a-z]{2,8}@[a-z]{2,8}\.(com|org)") for _ in range(3)]
     g = futs[0].result(timeout=60)
     assert all(f.result(timeout=60) is g for f in futs)
@@ -258,7 +258,7 @@ def test_submit_is_async_and_deduplicated(tokenizer, cache_dir):
 
 
 def test_concurrent_compiles_share_one_build(tokenizer, cache_dir):
-    c = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, cache_dir=cache_dir)
+    c = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, backend="fsm", cache_dir=cache_dir)
     results, errors = [], []
 
     def work():
@@ -392,7 +392,7 @@ def test_sentencepiece_byte_fallback(tmp_path):
     assert v.token_bytes[tok.convert_tokens_to_ids("▁hello")] == b" hello"
     assert v.token_bytes[tok.convert_tokens_to_ids("<0xE9>")] == b"\xe9"
     assert v.byte_complete
-    c = GrammarCache(tok, len(tok), {tok.eos_token_id}, cache_dir=str(tmp_path))
+    c = GrammarCache(tok, len(tok), {tok.eos_token_id}, backend="fsm", cache_dir=str(tmp_path))
     pattern = r" (hello|héllo|霍格) (yes|no)"
     g = c.compile("regex", pattern)
     rng = random.Random(1)
@@ -428,7 +428,7 @@ def test_vocabulary_without_every_byte(tmp_path):
     toks = [b"a", b"b", b"ab", b"c", b"xa", None]  # no single 'x' token; id 5 = EOS
     vocab = TokenVocabulary(toks, special_ids={5})
     assert not vocab.byte_complete
-    c = GrammarCache(vocab, 6, {5}, cache_dir=str(tmp_path))
+    c = GrammarCache(vocab, 6, {5}, backend="fsm", cache_dir=str(tmp_path))
     g = c.compile("regex", r"ax|b|xab?")
     m = g.matcher()
     # 'a' leads to a state that needs a lone 'x': not allowed. 'xa' is fine (then optional 'b').

@@ -170,7 +170,7 @@ def tokenizer(smollm_dir):
 
 @pytest.fixture(scope="module")
 def grammar_cache(tokenizer, tmp_path_factory):
-    cache = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id},
+    cache = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, backend="fsm",  # our engine's internals
                          cache_dir=str(tmp_path_factory.mktemp("fsm_cache")))
     yield cache
     cache.shutdown()

@@ -28,7 +28,7 @@ def tokenizer(smollm_dir):
 
 
 def make_cache(tokenizer, tmp_path, **kw) -> GrammarCache:
-    return GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, cache_dir=str(tmp_path), **kw)
+    return GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, backend="fsm", cache_dir=str(tmp_path), **kw)
 
 
 # A regex that compiles in roughly 1-2 s on SmolLM2's vocabulary (8 levels of the nested schema: 29 KB of regex,

@@ -13,9 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
-from sglang_backend.runtime.entrypoints import (errors, http_server, native_api, openai_chat, openai_common,
-                                                openai_completions, operations, request_parsing, streaming)
-from sglang_backend.runtime.entrypoints.app_context import AppContext, served_model_name
+from sglang_backend.runtime.entrypoints import (errors, http_server, native_api, ollama_api, openai_chat, openai_common,
+                                                openai_completions, openai_embeddings, operations, request_parsing,
+                                                streaming)
+from sglang_backend.runtime.entrypoints.app_context import AppContext, served_model_name, served_model_names
 from sglang_backend.runtime.entrypoints.errors import APIError
 from sglang_backend.runtime.entrypoints.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from sglang_backend.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -186,12 +187,14 @@ def test_request_owner_is_a_digest_of_the_credential():
     assert request_parsing.request_owner(a) != request_parsing.request_owner(b)
 
 
-def test_check_model_and_count():
+def test_any_model_name_is_served_and_reported_back():
     c = ctx()
-    for name in (None, "", "served", "default", "/models/m"):
-        request_parsing.check_model(c, name)
-    err = raises_api(request_parsing.check_model, c, "gpt-4")
-    assert (err.status, err.param, err.err_type) == (404, "model", "not_found_error") and "'served'" in err.message
+    for name in ("gpt-4", "served", "/models/m"):
+        assert c.response_model(name) == name
+    assert c.response_model(None) == c.response_model("") == "served"
+
+
+def test_check_count():
     request_parsing.check_count(MAX_PROMPTS_PER_REQUEST)
     assert str(MAX_PROMPTS_PER_REQUEST + 1) in raises_api(request_parsing.check_count, MAX_PROMPTS_PER_REQUEST + 1).message
 
@@ -200,6 +203,11 @@ def test_served_model_name_falls_back_to_the_path():
     assert served_model_name(NS(served_model_name="x", model_path="/p")) == "x"
     assert served_model_name(NS(served_model_name=None, model_path="/p")) == "/p"
     assert served_model_name(NS(served_model_name=None, model_path=None)) == "SmolLM2-135M-Instruct"
+
+
+def test_served_model_name_aliases():
+    assert served_model_names(NS(served_model_name="main, alias-1,,alias-2", model_path="/p")) == ["main", "alias-1", "alias-2"]
+    assert served_model_names(NS(served_model_name=" , ", model_path="/p")) == ["/p"]
 
 
 # SSE ----------------------------------------------------------------------------------------------------------------
@@ -413,26 +421,25 @@ def test_per_prompt_values():
 
 
 def test_generate_plan_checks_in_order():
-    c = ctx()
-    assert raises_api(native_api.generate_plan, gen(text="a", background=True), c).param == "background"
-    assert raises_api(native_api.generate_plan, gen(text="a", model="other"), c).status == 404
-    assert raises_api(native_api.generate_plan, gen(), c).message == "give exactly one of text or input_ids"
-    assert raises_api(native_api.generate_plan, gen(text=["a", "b"], rid=["r", "r"]), c).param == "rid"
-    assert raises_api(native_api.generate_plan, gen(text=["a", "b"], stream=True), c).message == \
+    assert raises_api(native_api.generate_plan, gen(text="a", background=True)).param == "background"
+    assert native_api.generate_plan(gen(text="a", model="other")).inputs[0]["text"] == "a"  # any model name
+    assert raises_api(native_api.generate_plan, gen()).message == "give exactly one of text or input_ids"
+    assert raises_api(native_api.generate_plan, gen(text=["a", "b"], rid=["r", "r"])).param == "rid"
+    assert raises_api(native_api.generate_plan, gen(text=["a", "b"], stream=True)).message == \
         "stream=true takes a single prompt"
-    err = raises_api(native_api.generate_plan, gen(text=["a", "b"], sampling_params=[{"n": 2}, {"n": 3}]), c)
+    err = raises_api(native_api.generate_plan, gen(text=["a", "b"], sampling_params=[{"n": 2}, {"n": 3}]))
     assert err.param == "n" and "same for every prompt" in err.message
-    assert "asks for" in raises_api(native_api.generate_plan, gen(text="a", sampling_params={"n": MAX_PROMPTS_PER_REQUEST + 1}), c).message
+    assert "asks for" in raises_api(native_api.generate_plan, gen(text="a", sampling_params={"n": MAX_PROMPTS_PER_REQUEST + 1})).message
 
 
 def test_generate_plan_expands_samples_per_prompt():
     plan = native_api.generate_plan(gen(text=["a", "b"], rid=["x", "y"], sampling_params={"n": 2, "temperature": 1.0},
-                                        return_logprob=[True, False], image_data=["i1", "i2"]), ctx())
+                                        return_logprob=[True, False], image_data=["i1", "i2"]))
     assert plan.is_batch and plan.n_samples == 2 and plan.returns_list
     assert [(i["text"], i["rid"], i["return_logprob"], i["image_data"]) for i in plan.inputs] == [
         ("a", "x-0", True, "i1"), ("a", "x-1", True, "i1"), ("b", "y-0", False, "i2"), ("b", "y-1", False, "i2")]
     assert all("n" not in i["sampling_params"] and i["sampling_params"]["temperature"] == 1.0 for i in plan.inputs)
-    single = native_api.generate_plan(gen(input_ids=[1, 2], rid="r", image_data=["u1", "u2"]), ctx())
+    single = native_api.generate_plan(gen(input_ids=[1, 2], rid="r", image_data=["u1", "u2"]))
     assert not single.returns_list and single.inputs[0]["input_ids"] == [1, 2] and single.inputs[0]["rid"] == "r"
     assert single.inputs[0]["image_data"] == ["u1", "u2"]  # one prompt: a list of images, not one per prompt
 
@@ -476,7 +483,9 @@ def test_middleware_checks():
 
 def test_each_api_family_registers_its_routes():
     expected = {native_api: {"/generate"}, openai_chat: {"/v1/chat/completions"},
-                openai_completions: {"/v1/completions"},
+                openai_completions: {"/v1/completions"}, openai_embeddings: {"/v1/embeddings"},
+                ollama_api: {"/", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show",
+                             "/api/tags", "/api/ps", "/api/version"},
                 operations: {"/tokenize", "/v1/models", "/health", "/health_generate", "/model_info", "/get_model_info",
                              "/server_info", "/get_server_info", "/get_load", "/v1/loads", "/get_stats", "/flush_cache",
                              "/abort_request", "/check_pool", "/metrics"}}

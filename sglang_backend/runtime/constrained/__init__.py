@@ -1,4 +1,4 @@
-"""Constrained decoding: regex / JSON schema -> byte DFA -> compressed FSM + per-state token masks.
+"""Constrained decoding: regex / JSON schema -> byte DFA -> compressed FSM + per-state token masks, or llguidance.
 
 Modules (design notes live in their docstrings):
 
@@ -8,8 +8,10 @@ Modules (design notes live in their docstrings):
 * ``json_schema``    JSON schema / pydantic model -> regex
 * ``grammar``        ``GrammarCache`` / ``CompiledGrammar`` / ``GrammarMatcher`` for the scheduler, and
                      jump-forward re-tokenization (App. B.2)
-* ``llguidance_backend``  context-free ``ebnf`` grammars (GBNF / Lark) on llguidance, same matcher interface
-                     (optional dependency; imported on first ebnf request)
+* ``llguidance_backend``  every grammar kind on llguidance (the default engine: millisecond compiles, lazy
+                     masks, forced bytes for jump-forward), same matcher interface; regexes it cannot parse
+                     and installs without it stay on our engine above
+* ``budget``         the compile budget: sizes, states and llguidance's fuel, never wall-clock seconds
 """
 
 from .compressed_fsm import CompressedFSM
@@ -18,6 +20,7 @@ from .grammar import (
     GrammarCache,
     GrammarMatcher,
     apply_jump_forward,
+    cache_options,
     fill_masks,
     retokenize_jump_forward,
 )
@@ -35,6 +38,7 @@ __all__ = [
     "TokenIndexCache",
     "TokenVocabulary",
     "apply_jump_forward",
+    "cache_options",
     "build_regex_from_schema",
     "build_token_index",
     "compile_regex",

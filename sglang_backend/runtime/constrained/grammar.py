@@ -2,9 +2,17 @@
 
 Lifecycle
 ---------
-One :class:`GrammarCache` per scheduler (per tokenizer). ``compile(kind, spec)`` turns a regex or a JSON
-schema into a :class:`CompiledGrammar` (byte DFA + token index + compressed-FSM analysis) - or an ``ebnf``
-(GBNF / Lark) grammar into an ``llguidance_backend.LLGuidanceGrammar`` with the same matcher interface - raising
+One :class:`GrammarCache` per scheduler (per tokenizer). ``compile(kind, spec)`` turns a regex, a JSON
+schema (through its regex, ``json_schema``) or an ``ebnf`` (GBNF / Lark) grammar into a compiled grammar
+with one matcher interface, on one of two engines (``backend``):
+
+* ``"llguidance"`` (the default, ``"auto"``, when the package is installed): an
+  ``llguidance_backend.LLGuidanceGrammar``, compiled in milliseconds with lazily computed masks
+  (``benchmarks/bench_grammar.py`` measures both engines side by side);
+* ``"fsm"``, our own: a :class:`CompiledGrammar` (byte DFA + token index + compressed-FSM analysis), used for
+  regexes llguidance cannot parse (look-arounds), without llguidance, or for a tokenizer it cannot load.
+
+Either way compile raises
 ``ValueError`` *before decoding* for invalid, unsatisfiable, too complex or tokenizer-unrealisable
 grammars. Results (and failures) are cached in memory (LRU); indexes also on disk. ``submit`` does the
 same on a worker thread and returns a ``Future`` so a new grammar never stalls the decode loop: park the
@@ -61,7 +69,7 @@ from ...utils import release_freed_memory
 from . import budget as grammar_budget
 from .compressed_fsm import CompressedFSM
 from .json_schema import build_regex_from_schema, schema_from_pydantic
-from .llguidance_backend import LLGuidanceCompiler
+from .llguidance_backend import LLGuidanceCompiler, UnsupportedByLLGuidance, llguidance_available
 from .regex_fsm import ByteDFA
 from .token_index import TokenIndex, TokenIndexCache, TokenVocabulary, get_vocabulary
 
@@ -332,17 +340,39 @@ def _normalise_spec(kind: str, spec: Any) -> tuple[str, str]:
     return k, spec
 
 
+def cache_options(server_args) -> dict:
+    """GrammarCache's keyword arguments from the server's grammar knobs (``ServerArgs.grammar_*``), so the
+    frontend's cache and the scheduler's compile alike."""
+    sa = server_args
+    return dict(timeout_s=sa.grammar_compile_timeout, max_regex_chars=sa.grammar_max_regex_chars,
+                backend=sa.grammar_backend, max_states=sa.grammar_max_states, lexer_fuel=sa.grammar_lexer_fuel,
+                step_fuel=sa.grammar_step_fuel)
+
+
 class GrammarCache:
-    """Compiles and caches grammars for one tokenizer (one per scheduler). Thread-safe."""
+    """Compiles and caches grammars for one tokenizer (one per scheduler). Thread-safe.
+
+    ``backend``: "auto" (llguidance when installed and it loads the tokenizer, else ours), "llguidance" or
+    "fsm" (module docstring). The budget knobs (``budget.GrammarBudget``) are deterministic; ``timeout_s``
+    is an opt-in wall-clock safety net, off (None) by default."""
 
     def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids=None, *,
                  whitespace: str = "default", cache_dir: str | None = None, disk_cache: bool = True,
                  max_memory_entries: int = 128, max_workers: int = 1, regex_options: dict | None = None,
-                 timeout_s: float = grammar_budget.DEFAULT_TIMEOUT_S,
-                 max_regex_chars: int = grammar_budget.DEFAULT_MAX_REGEX_CHARS):
+                 timeout_s: float | None = grammar_budget.DEFAULT_TIMEOUT_S,
+                 max_regex_chars: int = grammar_budget.DEFAULT_MAX_REGEX_CHARS, backend: str = "auto",
+                 max_states: int = grammar_budget.DEFAULT_MAX_STATES,
+                 lexer_fuel: int = grammar_budget.DEFAULT_LEXER_FUEL,
+                 step_fuel: int = grammar_budget.DEFAULT_STEP_FUEL):
+        if backend not in ("auto", "llguidance", "fsm"):
+            raise ValueError(f"unknown grammar backend {backend!r}; expected 'auto', 'llguidance' or 'fsm'")
+        if backend == "llguidance" and not llguidance_available():
+            raise ValueError("grammar backend 'llguidance' needs the llguidance package (pip install llguidance==1.5.0)")
         self.tokenizer = tokenizer
+        self.backend = backend
         self.timeout_s = timeout_s
         self.max_regex_chars = max_regex_chars
+        self.max_states, self.lexer_fuel, self.step_fuel = max_states, lexer_fuel, step_fuel
         self.vocab: TokenVocabulary = get_vocabulary(tokenizer)
         self.vocab_size = int(vocab_size if vocab_size is not None else self.vocab.size)
         if eos_token_ids is None:
@@ -358,13 +388,36 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._pending: dict[tuple[str, str], Future] = {}
-        self._llguidance = None  # context-free (ebnf) grammars: llguidance_backend, built on first use
+        self._llguidance = None  # llguidance_backend's compiler, built on first use (~1 s: its tokenizer)
+        self._llguidance_failed: str | None = None  # why "auto" could not load it (then: our engine)
 
-    def _ebnf(self, spec: str):
+    def _llguidance_compiler(self, required: bool) -> LLGuidanceCompiler | None:
+        """The llguidance compiler, or None where we compile on our own engine (``required``: ebnf grammars,
+        which only llguidance parses)."""
+        if self.backend == "fsm" and not required:
+            return None
         with self._lock:
-            if self._llguidance is None:
-                self._llguidance = LLGuidanceCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._llguidance.compile(spec)
+            if self._llguidance is None and self._llguidance_failed is None:
+                try:
+                    self._llguidance = LLGuidanceCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                except Exception as e:  # noqa: BLE001 - no package, or a tokenizer llguidance cannot load
+                    self._llguidance_failed = str(e) or type(e).__name__
+        if self._llguidance is None and (required or self.backend == "llguidance"):
+            raise ValueError(self._llguidance_failed)
+        return self._llguidance
+
+    def _compile_uncached(self, kind: str, spec: str):
+        if kind == "ebnf":
+            return self._llguidance_compiler(required=True).compile(spec)
+        regex = spec if kind == "regex" else build_regex_from_schema(spec, self.whitespace)
+        compiler = self._llguidance_compiler(required=False)
+        if compiler is not None:
+            try:
+                return compiler.compile_regex(kind, spec, regex)
+            except UnsupportedByLLGuidance:
+                pass  # syntax only our engine parses (look-arounds): compile it there
+        dfa, index = self.index_cache.get(regex)
+        return CompiledGrammar(kind, spec, regex, dfa, index, self.vocab, self.eos_token_ids)
 
     @property
     def stats(self) -> dict:
@@ -385,7 +438,8 @@ class GrammarCache:
 
     def budget(self, cancel: threading.Event | None = None) -> grammar_budget.GrammarBudget:
         """A fresh compile budget with this cache's limits; ``cancel`` stops the work when set."""
-        return grammar_budget.GrammarBudget(self.timeout_s, self.max_regex_chars, cancel)
+        return grammar_budget.GrammarBudget(self.timeout_s, self.max_regex_chars, cancel, max_states=self.max_states,
+                                            lexer_fuel=self.lexer_fuel, step_fuel=self.step_fuel)
 
     def compile(self, kind: str, spec: Any, cancel: threading.Event | None = None) -> CompiledGrammar:
         """Compile (or fetch) a grammar within one budget for the whole path (``budget.py``). Raises
@@ -395,16 +449,12 @@ class GrammarCache:
         hit = self._cached(key)
         if hit is not None:
             if isinstance(hit, ValueError):
-                raise ValueError(str(hit))
+                raise type(hit)(str(hit))  # the same verdict, same type
             return hit  # type: ignore[return-value]
         started = time.monotonic()
         try:
             with grammar_budget.active(self.budget(cancel)):
-                if key[0] == "ebnf":
-                    compiled = self._ebnf(key[1])
-                else:
-                    regex = key[1] if key[0] == "regex" else build_regex_from_schema(key[1], self.whitespace)
-                    dfa, index = self.index_cache.get(regex)
+                compiled = self._compile_uncached(*key)
         except ValueError as e:
             if not isinstance(e, (grammar_budget.GrammarTimeout, grammar_budget.CompileCancelled)):
                 with self._lock:
@@ -414,8 +464,6 @@ class GrammarCache:
         finally:
             if time.monotonic() - started > LONG_COMPILE_S:  # big temporary structures: give their pages back
                 release_freed_memory()
-        if key[0] != "ebnf":
-            compiled = CompiledGrammar(key[0], key[1], regex, dfa, index, self.vocab, self.eos_token_ids)
         with self._lock:
             existing = self._lru.get(key)
             if existing is not None and not isinstance(existing, ValueError):
@@ -441,7 +489,7 @@ class GrammarCache:
         if hit is not None:
             f = Future()
             if isinstance(hit, ValueError):
-                f.set_exception(ValueError(str(hit)))
+                f.set_exception(type(hit)(str(hit)))
             else:
                 f.set_result(hit)
             return f

@@ -25,6 +25,14 @@ with integer-valued bounds (exact; fractional bounds are tightened to the enclos
 language is a valid subset), booleans, null. A schema without a type is any JSON value (nested to
 ``max_nesting_depth``).
 
+Digit bounds (issue 25): a JSON number the schema leaves unbounded is still a bounded string, or a sampling
+model can write digits until ``max_tokens`` (one emitted 170-digit integers). Defaults: at most
+``MAX_INTEGER_DIGITS`` = 19 digits in an integer (or a number's integer part; int64 needs 19), at most
+``MAX_FRACTION_DIGITS`` = 16 after the point (float64 carries 15-17 significant digits) and
+``MAX_EXPONENT_DIGITS`` = 3 in an exponent (float64's reaches 308). A schema's own ``minimum``/``maximum``
+replaces the integer-part bound on that side (a bound wider than 19 digits widens it); strings keep no bound
+but ``maxLength`` (``max_tokens`` caps them).
+
 Limits (sound, not complete): ``uniqueItems``, ``multipleOf``, ``not``, ``if``/``then``/``else``,
 ``patternProperties`` and ``dependencies`` are not enforced (``ValueError`` for the ones that would make
 us generate invalid output: ``not``, ``if``, ``multipleOf`` other than integer steps of 1);
@@ -57,8 +65,13 @@ WHITESPACE_DEFAULT = "default"
 STRING_CHAR = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
                r'|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))')
 STRING = r'"' + STRING_CHAR + r'*"'
-INTEGER = r"-?(?:0|[1-9][0-9]*)"
-NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+MAX_INTEGER_DIGITS = 19
+MAX_FRACTION_DIGITS = 16
+MAX_EXPONENT_DIGITS = 3
+_FRACTION = rf"(?:\.[0-9]{{1,{MAX_FRACTION_DIGITS}}})?"
+_EXPONENT = rf"(?:[eE][+-]?[0-9]{{1,{MAX_EXPONENT_DIGITS}}})?"
+INTEGER = rf"-?(?:0|[1-9][0-9]{{0,{MAX_INTEGER_DIGITS - 1}}})"
+NUMBER = INTEGER + _FRACTION + _EXPONENT
 BOOLEAN = r"(?:true|false)"
 NULL = r"null"
 
@@ -246,8 +259,9 @@ def _nonneg_int_range(lo: int, hi: int | None) -> str | None:
         high = 10 ** length - 1 if hi is None else min(hi, 10 ** length - 1)
         if low <= high:
             parts.append(_same_len_range(str(low), str(high)))
-    if hi is None:
-        parts.append(f"[1-9][0-9]{{{max_len},}}")
+    longest = max(MAX_INTEGER_DIGITS, max_len)  # no upper bound: the default digit bound (module docstring)
+    if hi is None and max_len < longest:
+        parts.append(f"[1-9][0-9]{{{max_len},{longest - 1}}}")
     return _alt(parts)
 
 
@@ -270,7 +284,7 @@ def _int_range(lo: int | None, hi: int | None) -> str | None:
 
 def _decimal_mag(lo: int, hi: int | None) -> str | None:
     """Decimals (no exponent) with lo <= value <= hi, lo >= 0 integer, hi integer or None."""
-    frac = r"(?:\.[0-9]+)?"
+    frac = _FRACTION
     if hi is None:
         r = _nonneg_int_range(lo, None)
         return None if r is None else r + frac
@@ -280,7 +294,7 @@ def _decimal_mag(lo: int, hi: int | None) -> str | None:
     below = _nonneg_int_range(lo, hi - 1) if hi - 1 >= lo else None
     if below is not None:
         parts.append(below + frac)
-    parts.append(_escape(str(hi)) + r"(?:\.0+)?")
+    parts.append(_escape(str(hi)) + rf"(?:\.0{{1,{MAX_FRACTION_DIGITS}}})?")
     return _alt(parts)
 
 

@@ -1,25 +1,46 @@
-"""EBNF / Lark grammars through llguidance, behind the same matcher interface as ``grammar.GrammarMatcher``.
+"""Grammars compiled by llguidance, behind the same matcher interface as ``grammar.GrammarMatcher``.
 
-Our own pipeline (regex -> byte DFA -> token index) covers regular languages. Context-free grammars (the
-``ebnf`` request field) go to llguidance's ``LLMatcher``, an Earley parser with a lazily computed token
-mask, over our tokenizer (``llguidance.hf.from_tokenizer``). The grammar text may be GBNF (``root ::= ...``,
-as upstream SGLang / llama.cpp take it) or llguidance's Lark dialect (``start: ...``, what
-``guidance``'s ``node.ll_grammar()`` sends); ``llguidance.grammar_from("ebnf", text)`` accepts both.
+llguidance (an Earley parser over lazily built lexer automata, with a token mask computed per step) compiles
+a grammar in milliseconds where our regex -> byte DFA -> token index path takes up to seconds for realistic
+JSON schemas (``benchmarks/bench_grammar.py``, issue 25), so it is the default engine for every grammar kind:
+
+* ``ebnf``: GBNF (``root ::= ...``, as upstream SGLang / llama.cpp take it) or llguidance's Lark dialect
+  (``start: ...``, what ``guidance``'s ``node.ll_grammar()`` sends), through ``llguidance.grammar_from``;
+* ``regex`` and ``json_schema``: the regex (a JSON schema's is ``json_schema.build_regex_from_schema``'s, so
+  layout, digit bounds and supported keywords are the same on both engines) becomes one Lark lexeme, with
+  ``\\d``/``\\w``/``\\s`` kept ASCII as in ``regex_fsm``. A regex llguidance cannot parse (look-arounds) raises
+  :class:`UnsupportedByLLGuidance` and ``grammar.GrammarCache`` compiles it on our own engine instead.
+
+The budget is llguidance's deterministic fuel and state counters (``budget.GrammarBudget``: ``lexer_fuel``
+when the grammar is built, ``step_fuel`` per token mask, ``max_states`` lexer states), never wall-clock time.
 
 The scheduler drives a matcher exactly like ``GrammarMatcher``: ``fill_mask`` before sampling, ``advance``
 after, ``is_finished`` to end, ``forced_string`` + ``advance_text`` for jump-forward (llguidance's
-``compute_ff_bytes`` is the forced text; re-tokenization stays the scheduler's). llguidance is optional:
-without it an ``ebnf`` request is a clear ``ValueError`` (a 400 on the server).
+``compute_ff_bytes`` is the forced text; re-tokenization stays ``grammar.retokenize_jump_forward``'s).
+``fill_mask`` adds a cached 0/-inf row keyed by the mask's bytes (masks repeat: every step inside a string
+has the same one). llguidance is optional: without it regex and JSON schemas stay on our engine and an
+``ebnf`` request is a clear ``ValueError`` (a 400 on the server).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
 import torch
 
-__all__ = ["LLGuidanceCompiler", "LLGuidanceGrammar", "LLGuidanceMatcher", "llguidance_available"]
+from . import budget as grammar_budget
+from .regex_fsm import _preprocess
+
+__all__ = ["LLGuidanceCompiler", "LLGuidanceGrammar", "LLGuidanceMatcher", "UnsupportedByLLGuidance",
+           "llguidance_available"]
+
+MAX_CACHED_BIASES = 64  # 0/-inf rows shared by all grammars of one compiler (~200 kB each at 49k tokens)
+
+
+class UnsupportedByLLGuidance(ValueError):
+    """The regex uses syntax llguidance does not parse (look-arounds...): compile it on our own engine."""
 
 
 def llguidance_available() -> bool:
@@ -41,6 +62,28 @@ def _whole_chars(data: bytes) -> str:
     return ""
 
 
+def _parser_limits(budget: grammar_budget.GrammarBudget | None):
+    import llguidance  # optional dependency: only reached once llguidance_available()
+
+    b = budget or grammar_budget.GrammarBudget()
+    return llguidance.LLParserLimits(initial_lexer_fuel=b.lexer_fuel, step_lexer_fuel=b.step_fuel,
+                                     max_lexer_states=b.max_states, verbose_errors=False)
+
+
+def _grammar_error(error: str, invalid_prefix: str) -> ValueError:
+    """llguidance's error as ours: past a limit (fuel, states, size) ``GrammarTooComplex``, else invalid."""
+    if "limit" in error or "fuel" in error:
+        return grammar_budget.GrammarTooComplex(f"grammar too complex: {error}")
+    return ValueError(invalid_prefix + error)
+
+
+def regex_to_lark_grammar(regex: str) -> str:
+    """A Lark grammar whose one lexeme is ``regex`` (full match; ASCII ``\\d``/``\\w``/``\\s`` as in regex_fsm)."""
+    import llguidance  # optional dependency: only reached once llguidance_available()
+
+    return "start: /" + llguidance.regex_to_lark(_preprocess(regex), "dws") + "/"
+
+
 class LLGuidanceCompiler:
     """Builds llguidance's tokenizer once per scheduler (~1 s) and compiles grammars against it."""
 
@@ -58,9 +101,14 @@ class LLGuidanceCompiler:
                                                              eos_token=self.primary_eos)
         except ValueError as e:  # a slow (non-Rust) tokenizer
             raise ValueError(f"ebnf grammars need a fast tokenizer: {e}") from None
-        self._lock = threading.Lock()
+        # additive_mask(mask_bytes, device, dtype): shared by this compiler's grammars, read-only (lru_cache locks).
+        self.additive_mask = functools.lru_cache(maxsize=MAX_CACHED_BIASES)(self._build_additive_mask)
+        eos_only = np.zeros(-(-self.vocab_size // 32) * 32, dtype=bool)
+        eos_only[[e for e in self.eos_token_ids if 0 <= e < self.vocab_size]] = True
+        self._eos_words = np.packbits(eos_only, bitorder="little")
 
     def compile(self, spec: str) -> "LLGuidanceGrammar":
+        """An ``ebnf`` (GBNF or Lark) grammar."""
         import llguidance  # optional dependency (the ebnf extra)
 
         if not isinstance(spec, str) or not spec.strip():
@@ -69,31 +117,96 @@ class LLGuidanceCompiler:
             grammar = llguidance.grammar_from("ebnf", spec)
         except Exception as e:  # noqa: BLE001 - the GBNF converter raises plain Exceptions
             raise ValueError(f"invalid ebnf grammar: {e}") from None
-        is_err, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        return self._validated("ebnf", spec, grammar, "invalid ebnf grammar: ")
+
+    def compile_regex(self, kind: str, spec: str, regex: str) -> "LLGuidanceGrammar":
+        """A ``regex`` or ``json_schema`` grammar from its regex (``spec`` is the request's own text)."""
+        import llguidance  # optional dependency: only reached once llguidance_available()
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(regex_to_lark_grammar(regex))
+        except ValueError as e:  # _preprocess: a bad \\u escape
+            raise ValueError(str(e)) from None
+        compiled = self._validated(kind, spec, grammar, f"invalid regex {regex[:120]!r}: ")
+        compiled.regex = regex
+        start = compiled.matcher()
+        allowed = start.allowed_mask()
+        allowed[[e for e in self.eos_token_ids if 0 <= e < self.vocab_size]] = False
+        if not start.is_accepting() and not allowed.any():  # llguidance takes it, with EOS as its only token
+            raise ValueError(f"regex {regex[:120]!r} matches no string (its language is empty)")
+        return compiled
+
+    def _validated(self, kind: str, spec: str, grammar: str, prefix: str) -> "LLGuidanceGrammar":
+        import llguidance  # optional dependency: only reached once llguidance_available()
+
+        limits = _parser_limits(grammar_budget.current())
+        is_err, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer,
+                                                                                limits=limits)
         if is_err:
-            raise ValueError(f"invalid ebnf grammar: {messages[0].strip()}")
-        return LLGuidanceGrammar(spec, grammar, self)
+            error = messages[0].strip()
+            if kind != "ebnf" and "regex parse error" in error:
+                raise UnsupportedByLLGuidance(prefix + error)
+            raise _grammar_error(error, prefix)
+        return LLGuidanceGrammar(spec, grammar, self, kind, limits, prefix)
+
+    def _build_additive_mask(self, mask_bytes: bytes | None, device: str, dtype: torch.dtype) -> torch.Tensor:
+        """The 0/-inf row for llguidance's mask ``mask_bytes`` (None: EOS only); ``additive_mask`` caches it."""
+        # One gather through a byte -> 8 biases table (a fraction of unpacking bits and masked_fill).
+        row = torch.from_numpy(_BYTE_TO_BIASES[self._mask_array(mask_bytes)].reshape(-1)[:self.vocab_size])
+        return row.to(device=device, dtype=dtype)
+
+    def allowed(self, mask_bytes: bytes | None) -> torch.Tensor:
+        """Boolean [vocab_size] from llguidance's mask bytes."""
+        words = self._mask_array(mask_bytes)
+        return torch.from_numpy(np.unpackbits(words, bitorder="little", count=self.vocab_size).astype(bool))
+
+    def _mask_array(self, mask_bytes: bytes | None) -> np.ndarray:
+        """The packed mask (little-endian bits) with every EOS id allowed where the grammar may end (llguidance
+        knows one EOS id; the model may have several); None: EOS only."""
+        if mask_bytes is None:
+            return self._eos_words
+        words = np.frombuffer(mask_bytes, dtype=np.uint8)
+        if len(words) != len(self._eos_words):  # llguidance's masks carry a spare 32-bit word
+            padded = np.zeros(len(words), dtype=np.uint8)
+            n = min(len(words), len(self._eos_words))
+            padded[:n] = self._eos_words[:n]
+            self._eos_words = padded
+        if words[self.primary_eos >> 3] >> (self.primary_eos & 7) & 1:
+            words = words | self._eos_words
+        return words
+
+
+# _BYTE_TO_BIASES[b] = the 8 additive biases (0 allowed / -inf not) of the 8 tokens whose bits byte b packs.
+_BYTE_TO_BIASES = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
+                           np.float32(0), np.float32("-inf")).astype(np.float32)
 
 
 class LLGuidanceGrammar:
-    """A validated grammar (read-only, shareable); ``matcher()`` starts a parse per request."""
+    """A validated grammar (read-only, shareable); ``matcher()`` starts a parse per request.
 
-    kind = "ebnf"
+    Matchers are copies of one prototype built here: a copy costs ~10 us where building a matcher costs
+    milliseconds, and the copies share the lazily built lexer states, so later requests find them built."""
 
-    def __init__(self, spec: str, grammar: str, compiler: LLGuidanceCompiler):
+    def __init__(self, spec: str, grammar: str, compiler: LLGuidanceCompiler, kind: str = "ebnf", limits=None,
+                 error_prefix: str = "invalid ebnf grammar: "):
+        import llguidance  # optional dependency: only reached once llguidance_available()
+
+        self.kind = kind
         self.spec = spec
+        self.regex: str | None = None
         self.grammar = grammar
         self.compiler = compiler
+        self.limits = limits
         self.vocab_size = compiler.vocab_size
         self.eos_token_ids = compiler.eos_token_ids
+        self._prototype = llguidance.LLMatcher(compiler.ll_tokenizer, grammar, log_level=0, limits=limits)
+        if self._prototype.is_error():  # e.g. the lexer fuel ran out: before decoding, a clear error
+            raise _grammar_error(self._prototype.get_error(), error_prefix)
+        self._lock = threading.Lock()
 
     def matcher(self) -> "LLGuidanceMatcher":
-        import llguidance  # optional dependency (the ebnf extra)
-
-        m = llguidance.LLMatcher(self.compiler.ll_tokenizer, self.grammar, log_level=0)
-        if m.is_error():
-            raise ValueError(f"invalid ebnf grammar: {m.get_error()}")
-        return LLGuidanceMatcher(self, m)
+        with self._lock:
+            return LLGuidanceMatcher(self, self._prototype.deep_copy())
 
 
 class LLGuidanceMatcher:
@@ -108,30 +221,26 @@ class LLGuidanceMatcher:
         self.num_tokens = 0
 
     # -- masks -------------------------------------------------------------------------------------
+    def _mask_bytes(self) -> bytes | None:
+        """llguidance's packed mask for this step (None once only EOS may follow: terminated or failed)."""
+        if self.terminated or self.matcher.is_error():
+            return None
+        return self.matcher.compute_bitmask()
+
     def allowed_mask(self, device=None) -> torch.Tensor:
         """Boolean [vocab_size]: True where the token is allowed."""
-        g = self.grammar
-        allowed = np.zeros(g.vocab_size, dtype=bool)
-        if not self.terminated and not self.matcher.is_error():
-            words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-            allowed = np.unpackbits(words, bitorder="little", count=g.vocab_size).astype(bool)
-        # EOS is allowed where the grammar may end (llguidance knows one EOS id; the model may have several).
-        if self.terminated or self.matcher.is_error() or allowed[g.compiler.primary_eos]:
-            for e in g.eos_token_ids:
-                if 0 <= e < g.vocab_size:
-                    allowed[e] = True
-        out = torch.from_numpy(allowed)
+        out = self.grammar.compiler.allowed(self._mask_bytes())
         return out if device is None else out.to(device)
 
     def fill_mask(self, logits_row: torch.Tensor) -> None:
         """Set the logits of disallowed tokens to -inf, in place (extra columns past the vocab too)."""
-        allowed = self.allowed_mask()
-        v = allowed.shape[0]
+        bias = self.grammar.compiler.additive_mask(self._mask_bytes(), str(logits_row.device), logits_row.dtype)
+        v = bias.shape[0]
         width = logits_row.shape[-1]
         if width > v:
             logits_row[..., v:] = float("-inf")
         n = min(width, v)
-        logits_row[..., :n].masked_fill_(~allowed[:n].to(logits_row.device), float("-inf"))
+        logits_row[..., :n].add_(bias[:n])
 
     def allowed_token_ids(self) -> list[int]:
         return torch.nonzero(self.allowed_mask()).flatten().tolist()

@@ -41,7 +41,8 @@ use it.
 
 Budget
 ------
-Both engines stop at ``max_byte_states`` DFA states (the NFA at 8x that) and at ``timeout_s``;
+Both engines stop at ``max_byte_states`` DFA states (the NFA at 8x that) and, only when a caller asks for
+one, at ``timeout_s`` (off by default: the budget is deterministic, see ``budget.py``);
 ``to_fsm`` also at ``max_char_states``. ``interegular`` builds machines with a subset-construction
 ``crawl`` whose state lookup is a linear ``list.index`` (quadratic); the first compilation installs a
 drop-in replacement of ``interegular.fsm.crawl`` (process-wide) that keeps the same state numbering but
@@ -86,7 +87,7 @@ __all__ = [
 
 DEFAULT_MAX_CHAR_STATES = 20_000
 DEFAULT_MAX_BYTE_STATES = 50_000
-DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_TIMEOUT_S = None  # no wall-clock limit unless a caller sets one (budget.py)
 
 _MAX_CP = 0x10FFFF
 _SURR_LO, _SURR_HI = 0xD800, 0xDFFF
@@ -841,7 +842,7 @@ def compile_regex(
     *,
     max_char_states: int = DEFAULT_MAX_CHAR_STATES,
     max_byte_states: int = DEFAULT_MAX_BYTE_STATES,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
     engine: str = "auto",
 ) -> ByteDFA:
     """Compile ``pattern`` (Python regex syntax, full-match semantics) into a trimmed byte DFA.
@@ -878,7 +879,7 @@ def compile_regex(
 
     _budget.max_states = max_char_states
     _budget.timeout_s = timeout_s
-    _budget.deadline = time.monotonic() + timeout_s
+    _budget.deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         rows = None
         if engine in ("auto", "nfa"):

@@ -106,6 +106,13 @@ EXCEPTION_HANDLERS = {
 }
 
 
+async def response_for(exc: Exception) -> JSONResponse:
+    """The reply the app's handlers give ``exc`` (the handler of its nearest class), for routes that reshape the
+    error body themselves (Ollama's {"error": "message"})."""
+    handler = next(EXCEPTION_HANDLERS[cls] for cls in type(exc).__mro__ if cls in EXCEPTION_HANDLERS)
+    return await handler(None, exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)

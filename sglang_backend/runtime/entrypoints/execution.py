@@ -10,6 +10,9 @@ from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
 
+from ..managers import chat_templates
+from ..managers.io_struct import PoolingParams
+from ..managers.request_frontend import embedding_result
 from ..managers.tokenizer_manager import GenerateInput, TokenizerManager
 from .app_context import AppContext
 from .errors import APIError, preparation_error
@@ -70,3 +73,39 @@ async def run_all(ctx: AppContext, request: Request, gis: list[GenerateInput]) -
 
 def output_streams(ctx: AppContext, gis: list[GenerateInput]) -> list[AsyncIterator[dict]]:
     return [ctx.tm.generate(gi) for gi in gis]
+
+
+def render_chat_prompt(ctx: AppContext, messages: list[dict], **kwargs) -> str:
+    """The server's chat template over ``messages`` (a preparation job: call it on the pool); a template that is
+    too slow, or messages that do not fit it, are the client's error (400)."""
+    try:
+        return chat_templates.render_chat(ctx.tm.tokenizer, messages, ctx.server_args.chat_template_timeout, **kwargs)
+    except chat_templates.TemplateTooSlow as e:
+        raise APIError(str(e), param="messages")
+    except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
+        raise APIError(f"the messages do not fit the model's chat template: {e}", param="messages")
+
+
+def check_dimensions(ctx: AppContext, dimensions: int | None) -> None:
+    """An embedding's size is the model's hidden size: a causal LM's final hidden state cannot be shortened."""
+    hidden_size = ctx.tm.info.get("hidden_size")
+    if dimensions is not None and dimensions != hidden_size:
+        raise APIError(f"dimensions must be the model's hidden size ({hidden_size}): the embeddings of this server "
+                       f"are its final hidden states, which cannot be shortened; got {dimensions}",
+                       param="dimensions")
+
+
+async def run_embeddings(ctx: AppContext, request: Request, prompts: list, dimensions: int | None = None) -> list[dict]:
+    """Embeds each prompt (a string or a list of token ids) with the server's pooling, normalized, batched by the
+    scheduler: ``Engine.encode``'s results, {"embedding", "meta_info"}, in order. Every embedding route of every
+    API family runs through here."""
+    check_dimensions(ctx, dimensions)
+    spec = PoolingParams(ctx.server_args.embedding_pooling)
+    items = [dict(text=p, pooling=spec) if isinstance(p, str) else dict(input_ids=p, pooling=spec) for p in prompts]
+    outs = await run_all(ctx, request, await prepare_all(ctx, request, items))
+    for out in outs:
+        fr = out["meta_info"].get("finish_reason") or {}
+        if "embedding" not in out["meta_info"]:  # ended without one (an abort the scheduler answered)
+            raise APIError(fr.get("message", "the request ended without an embedding"), fr.get("status_code", 500),
+                           "server_error" if fr.get("status_code", 500) >= 500 else "invalid_request_error")
+    return [embedding_result(out) for out in outs]

@@ -1,9 +1,9 @@
-"""FastAPI server: native /generate, OpenAI-compatible /v1/*, and operations endpoints.
+"""FastAPI server: native /generate, OpenAI-compatible /v1/*, Ollama's /api/*, and operations endpoints.
 
 This module builds the app (``create_app``) and serves it (``launch_server``). The routes live in one module per
-API family (``native_api``, ``openai_chat``, ``openai_completions``, ``operations``), sharing ``app_context``
-(the per-app state), ``request_parsing``, ``execution`` (preparing and running requests), ``streaming`` (SSE),
-``errors`` (every exception -> status and body) and ``middleware``.
+API family (``native_api``, ``openai_chat``, ``openai_completions``, ``openai_embeddings``, ``ollama_api``,
+``operations``), sharing ``app_context`` (the per-app state), ``request_parsing``, ``execution`` (preparing and
+running requests), ``streaming`` (SSE), ``errors`` (every exception -> status and body) and ``middleware``.
 
 Every error a client can cause is a 4xx with an OpenAI-style body {"error": {"message", "type", "param",
 "code"}}; internal failures are 5xx without stack traces.
@@ -33,7 +33,7 @@ from fastapi import FastAPI
 
 from ...utils import die_with_parent_if_requested
 from ..managers.tokenizer_manager import TokenizerManager
-from . import native_api, openai_chat, openai_completions, operations
+from . import native_api, ollama_api, openai_chat, openai_completions, openai_embeddings, operations
 from .app_context import AppContext
 from .connection_guard import DrainingMiddleware, guarded_h11_protocol
 from .errors import RETRY_AFTER_S, APIError, install_error_handlers
@@ -54,6 +54,8 @@ API_FAMILIES = (
     native_api,  # /generate
     openai_chat,  # /v1/chat/completions
     openai_completions,  # /v1/completions
+    openai_embeddings,  # /v1/embeddings
+    ollama_api,  # /api/chat, /api/generate, /api/embed, /api/tags, /api/show, ... (Ollama's API)
     operations,  # /tokenize, /v1/models, health, info, load, stats, flush_cache, abort, metrics
 )
 

@@ -12,7 +12,7 @@ from .app_context import AppContext, get_context
 from .errors import APIError
 from .execution import output_streams, prepare_all, run_all
 from .openai_protocol import GenerateRequest
-from .request_parsing import check_count, check_model, json_body, read_model
+from .request_parsing import check_count, json_body, read_model
 from .streaming import merge_streams, sse_event, sse_response
 
 # Fields sglang-router sends with their defaults; the features behind them are not implemented.
@@ -33,11 +33,10 @@ class GeneratePlan:
         return self.is_batch or self.n_samples > 1
 
 
-def check_supported(obj: GenerateRequest, ctx: AppContext) -> None:
+def check_supported(obj: GenerateRequest) -> None:
     for flag in UNSUPPORTED_FLAGS:
         if getattr(obj, flag):
             raise APIError(f"{flag} is not supported by this server", param=flag)
-    check_model(ctx, obj.model)
     if (obj.text is None) == (obj.input_ids is None):
         raise APIError("give exactly one of text or input_ids")
 
@@ -92,8 +91,8 @@ def expand_samples(cols: dict[str, list]) -> tuple[int, dict[str, list]]:
     return n, out
 
 
-def generate_plan(obj: GenerateRequest, ctx: AppContext) -> GeneratePlan:
-    check_supported(obj, ctx)
+def generate_plan(obj: GenerateRequest) -> GeneratePlan:
+    check_supported(obj)
     is_batch, items = prompt_items(obj)
     cols = per_prompt_columns(obj, is_batch, len(items))
     n_samples, cols = expand_samples({"item": items, **cols})
@@ -131,7 +130,7 @@ async def generate_events(ctx: AppContext, gis: list, with_text: bool):
 async def generate(request: Request):
     ctx = get_context(request)
     obj = await read_model(request, GenerateRequest)
-    plan = generate_plan(obj, ctx)
+    plan = generate_plan(obj)
     gis = await prepare_all(ctx, request, plan.inputs)
     with_text = obj.return_text_in_logprobs
     if obj.stream:

@@ -7,13 +7,13 @@ import json
 
 from fastapi import FastAPI, Request
 
-from ..managers import chat_templates
 from ..sampling_params import parallel_samples
 from .app_context import AppContext
 from .errors import APIError
-from .execution import off_loop, output_streams, prepare_all, run_all
+from .execution import off_loop, output_streams, prepare_all, render_chat_prompt, run_all
 from .openai_common import (StreamedChoices, finish_reason, include_usage, openai_sse, read_openai_request,
-                            response_header, sample_rid, sampling_from_openai, sent_logprobs, usage)
+                            response_header, sample_rid, sampling_from_openai, sent_logprobs, usage,
+                            without_stop_token)
 from .openai_protocol import ChatCompletionRequest
 from .request_parsing import json_body
 from .streaming import sse_response
@@ -80,15 +80,8 @@ def render_chat(ctx: AppContext, req: ChatCompletionRequest, images: list | None
     if req.tools:
         raise APIError("tool calling is not supported by this server yet", param="tools")
     template_vars = template_variables(req, reserved_template_args(tm.tokenizer.apply_chat_template))
-    try:
-        return chat_templates.render_chat(
-            tm.tokenizer, messages, ctx.server_args.chat_template_timeout,
-            add_generation_prompt=not req.continue_final_message,
-            continue_final_message=req.continue_final_message, **template_vars)
-    except chat_templates.TemplateTooSlow as e:
-        raise APIError(str(e), param="messages")
-    except Exception as e:  # jinja TemplateError and friends: the messages do not fit the template
-        raise APIError(f"the messages do not fit the model's chat template: {e}", param="messages")
+    return render_chat_prompt(ctx, messages, add_generation_prompt=not req.continue_final_message,
+                              continue_final_message=req.continue_final_message, **template_vars)
 
 
 # Request ------------------------------------------------------------------------------------------------------------
@@ -174,11 +167,11 @@ async def chat_completions(request: Request):
     gis = await prepare_all(ctx, request, chat_inputs(req, prompt, images, chat_sampling_params(req)))
     tokenizer = ctx.tm.tokenizer
     if req.stream:
-        header = response_header("chatcmpl", "chat.completion.chunk", req.model or ctx.model_name)
+        header = response_header("chatcmpl", "chat.completion.chunk", ctx.response_model(req.model))
         return sse_response(openai_sse(output_streams(ctx, gis), header, ChatDeltas(req, tokenizer, len(gis)),
-                                       include_usage(req), usage))
-    header = response_header("chatcmpl", "chat.completion", req.model or ctx.model_name)
-    outs = await run_all(ctx, request, gis)
+                                       include_usage(req), usage, req.no_stop_trim))
+    header = response_header("chatcmpl", "chat.completion", ctx.response_model(req.model))
+    outs = [without_stop_token(o, req.no_stop_trim) for o in await run_all(ctx, request, gis)]
     return {**header, "choices": [chat_choice(out, i, req, tokenizer) for i, out in enumerate(outs)], "usage": usage(outs)}
 
 

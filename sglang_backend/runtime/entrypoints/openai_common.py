@@ -13,7 +13,7 @@ from starlette.requests import Request
 from .app_context import AppContext, get_context
 from .errors import APIError
 from .openai_protocol import MAX_STOP
-from .request_parsing import check_model, read_model
+from .request_parsing import read_model
 from .streaming import merge_streams, sse_event
 
 # (our sampling parameter, the OpenAI request field it comes from)
@@ -25,11 +25,8 @@ GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
 
 
 async def read_openai_request(request: Request, model_cls) -> tuple[AppContext, Any]:
-    """The app's context and the request's body as ``model_cls``, for this server's model."""
-    ctx = get_context(request)
-    req = await read_model(request, model_cls)
-    check_model(ctx, req.model)
-    return ctx, req
+    """The app's context and the request's body as ``model_cls`` (any ``model`` name: the one model answers)."""
+    return get_context(request), await read_model(request, model_cls)
 
 
 def sampling_from_openai(req, max_tokens: int | None) -> dict:
@@ -74,6 +71,31 @@ def usage(outs: list[dict], prompt_outs: list[dict] | None = None) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def ended_on_stop_token(out: dict) -> bool:
+    """Whether the output's last token is the stop token that ended it (EOS or a ``stop_token_ids`` entry)."""
+    fr = out["meta_info"].get("finish_reason") or {}
+    matched = fr.get("matched")
+    ids = out.get("output_ids") or []
+    return fr.get("type") == "stop" and type(matched) is int and bool(ids) and ids[-1] == matched
+
+
+def without_stop_token(out: dict, keep_stop_token: bool = False) -> dict:
+    """The output as OpenAI reports it: the stop token that ended it is neither counted in ``completion_tokens``
+    nor listed in the logprobs (the native /generate keeps both, as upstream SGLang does). ``keep_stop_token``
+    (the request's ``no_stop_trim``) keeps it, as it keeps it in the text. A copy; ``out`` is not changed."""
+    if keep_stop_token or not ended_on_stop_token(out):
+        return out
+    meta = dict(out["meta_info"])
+    meta["completion_tokens"] = max(meta.get("completion_tokens", 0) - 1, 0)
+    pairs = meta.get("output_token_logprobs")
+    if pairs and pairs[-1][1] == out["output_ids"][-1]:
+        meta["output_token_logprobs"] = pairs[:-1]
+        tops = meta.get("output_top_logprobs")
+        if tops and len(tops) == len(pairs):
+            meta["output_top_logprobs"] = tops[:-1]
+    return {**out, "output_ids": out["output_ids"][:-1], "meta_info": meta}
+
+
 def finish_reason(out: dict) -> str | None:
     fr = out["meta_info"].get("finish_reason")
     if fr is None:
@@ -107,11 +129,14 @@ class StreamedChoices:
 
 
 async def openai_sse(streams: list[AsyncIterator[dict]], header: dict, choice: Callable[[int, dict], dict],
-                     with_usage: bool, final_usage: Callable[[list[dict]], dict]) -> AsyncIterator[str]:
+                     with_usage: bool, final_usage: Callable[[list[dict]], dict],
+                     keep_stop_token: bool = False) -> AsyncIterator[str]:
     """One chunk per output of any of the streams (``choice(index, output)`` shapes its choice), then, if asked
-    for, a chunk with no choices and the usage of the outputs that finished (``final_usage``)."""
+    for, a chunk with no choices and the usage of the outputs that finished (``final_usage``). Outputs are seen
+    as OpenAI counts them (``without_stop_token``)."""
     finals: dict[int, dict] = {}
     async for i, out in merge_streams(streams):
+        out = without_stop_token(out, keep_stop_token)
         one = choice(i, out)
         if one["finish_reason"] is not None:
             finals[i] = out

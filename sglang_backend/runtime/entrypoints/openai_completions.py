@@ -8,7 +8,7 @@ from ..sampling_params import parallel_samples
 from .errors import APIError
 from .execution import output_streams, prepare_all, run_all
 from .openai_common import (StreamedChoices, finish_reason, include_usage, openai_sse, read_openai_request,
-                            response_header, sample_rid, sampling_from_openai, usage)
+                            response_header, sample_rid, sampling_from_openai, usage, without_stop_token)
 from .openai_protocol import CompletionRequest
 from .request_parsing import check_count, json_body
 from .streaming import sse_response
@@ -98,12 +98,13 @@ async def completions(request: Request):
     check_count(len(prompts) * req.n)
     gis = await prepare_all(ctx, request, completion_inputs(req, prompts, sampling_from_openai(req, req.max_tokens)))
     tokenizer = ctx.tm.tokenizer
-    header = response_header("cmpl", "text_completion", req.model or ctx.model_name)
+    header = response_header("cmpl", "text_completion", ctx.response_model(req.model))
     echoes = echo_texts(req, prompts, tokenizer.decode)
     if req.stream:
         return sse_response(openai_sse(output_streams(ctx, gis), header, CompletionDeltas(req, tokenizer, echoes),
-                                       include_usage(req), lambda outs: completion_usage(outs, req.n)))
-    outs = await run_all(ctx, request, gis)
+                                       include_usage(req), lambda outs: completion_usage(outs, req.n),
+                                       req.no_stop_trim))
+    outs = [without_stop_token(o, req.no_stop_trim) for o in await run_all(ctx, request, gis)]
     choices = [completion_choice(out, i, req, echoes[i], tokenizer) for i, out in enumerate(outs)]
     return {**header, "choices": choices, "usage": completion_usage(outs, req.n)}
 

@@ -92,6 +92,16 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict | None = None
 
 
+class EmbeddingRequest(_Base):
+    """/v1/embeddings: one input or a batch (strings, or token ids), as OpenAI's API takes them."""
+
+    model: str | None = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's hidden size: a causal LM's embedding cannot be shortened
+    user: str | None = None
+
+
 class GenerateRequest(_Base):
     """Native /generate (SGLang's shape)."""
 

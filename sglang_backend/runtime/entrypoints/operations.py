@@ -82,8 +82,9 @@ async def tokenize(request: Request):
 
 async def models(request: Request):
     ctx = get_context(request)
-    return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "sglang_backend",
-                                        "max_model_len": ctx.tm.info.get("context_len")}]}
+    context_len = ctx.tm.info.get("context_len")
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "sglang_backend",
+                                        "max_model_len": context_len} for name in ctx.model_names]}
 
 
 async def health(request: Request):

@@ -12,7 +12,6 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from ..managers.validation import MAX_PROMPTS_PER_REQUEST
-from .app_context import AppContext
 from .errors import APIError
 
 MAX_JSON_DEPTH = 64
@@ -101,12 +100,6 @@ def request_owner(request: Request) -> str:
     Request ids live in this owner's namespace only."""
     auth = request.headers.get("authorization")
     return hashlib.sha256(auth.encode("utf-8", "surrogateescape")).hexdigest()[:32] if auth else ""
-
-
-def check_model(ctx: AppContext, name: str | None) -> None:
-    if not ctx.model_known(name):
-        raise APIError(f"The model {name!r} does not exist; this server serves {ctx.model_name!r}", 404,
-                       "not_found_error", "model")
 
 
 def check_count(n: int) -> None:

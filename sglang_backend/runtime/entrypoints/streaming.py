@@ -1,4 +1,5 @@
-"""Server-sent events: chunk framing, error events, and interleaving several result streams."""
+"""Streamed replies: server-sent events (OpenAI, native) and newline-delimited JSON (Ollama), each ending with an
+error event rather than a broken connection when the request fails; and interleaving several result streams."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from ..managers.tokenizer_manager import RequestFailed, ServerUnavailable
-from .errors import error_body
+from .errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,24 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(sse_stream(events), media_type="text/event-stream")
+
+
+async def ndjson_stream(objects: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """An NDJSON body (one JSON object a line) whose failure is a last line {"error": "message"}, as Ollama's."""
+    try:
+        async for obj in objects:
+            yield json.dumps(obj) + "\n"
+    except (ServerUnavailable, RequestFailed) as e:
+        yield json.dumps({"error": error_body(e)["message"]}) + "\n"
+    except APIError as e:  # a request the pipeline ended as the client's error (say, nothing left to sample)
+        yield json.dumps({"error": e.message}) + "\n"
+    except Exception:  # noqa: BLE001 - never a stack trace to the client; the log has it
+        logger.exception("internal error in a stream")
+        yield json.dumps({"error": error_body(RuntimeError())["message"]}) + "\n"
+
+
+def ndjson_response(objects: AsyncIterator[dict]) -> StreamingResponse:
+    return StreamingResponse(ndjson_stream(objects), media_type="application/x-ndjson")
 
 
 async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:

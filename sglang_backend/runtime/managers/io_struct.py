@@ -15,6 +15,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sampling_params import SamplingParams
+from ..server_args import EMBEDDING_POOLINGS
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: the prompt is computed (extend only, nothing sampled) and its final hidden states
+    pooled into one vector, which comes back in the finished output's ``meta["embedding"]``."""
+
+    mode: str = "last"  # "last": the last prompt token's state; "mean": the mean over every prompt token
+    normalize: bool = True  # to unit L2 norm (cosine similarity becomes a dot product)
+
+    def __post_init__(self):
+        if self.mode not in EMBEDDING_POOLINGS:
+            raise ValueError(f"pooling must be one of {EMBEDDING_POOLINGS}, got {self.mode!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
 
 
 @dataclass
@@ -28,6 +44,7 @@ class TokenizedGenerateReq:
     stream: bool = False
     extra_key: Any = None
     mm_inputs: Any = None  # multimodal.MultimodalInputs: image hashes, spans, pixel values
+    pooling: PoolingParams | None = None  # set: an embedding request (no tokens are generated)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ..sampling_params import SamplingParams, parallel_samples, sample_count
 from .detokenizer_manager import format_logprob_pairs
-from .io_struct import StrOut, TokenizedGenerateReq
+from .io_struct import PoolingParams, StrOut, TokenizedGenerateReq
 from .validation import (
     MAX_PROMPTS_PER_REQUEST,
     ModelLimits,
@@ -47,11 +47,13 @@ class GenerateInput:
     client_rid: str | None = None
     owner: str = ""
     reservation: object = None  # its place in the server's bounded queue until generate() starts
+    pooling: PoolingParams | None = None  # an embedding request (see io_struct.PoolingParams)
 
     def tokenized(self) -> TokenizedGenerateReq:
         start = self.logprob_start_len if self.logprob_start_len is not None else -1  # -1: output logprobs only
         return TokenizedGenerateReq(self.rid, self.input_ids, self.sampling_params, self.return_logprob, start,
-                                    self.top_logprobs_num, self.stream, self.extra_key, self.mm_inputs)
+                                    self.top_logprobs_num, self.stream, self.extra_key, self.mm_inputs,
+                                    self.pooling)
 
 
 class RequestFrontend:
@@ -74,11 +76,13 @@ class RequestFrontend:
                 sampling_params: dict | None = None, stream: bool = False, return_logprob: bool = False,
                 logprob_start_len: int | None = None, top_logprobs_num: int | None = 0, extra_key=None,
                 image_data=None, add_special_tokens: bool = True,
-                cancel: threading.Event | None = None) -> GenerateInput:
+                cancel: threading.Event | None = None, pooling: PoolingParams | None = None) -> GenerateInput:
         """One prompt, as ``rid``; raises ValueError with the reason. Setting ``cancel`` stops a grammar
-        compilation in progress."""
+        compilation in progress. With ``pooling`` it is an embedding request: nothing is generated."""
         if (text is None) == (input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
+        if pooling is not None:
+            return self.prepare_embedding(rid, text, input_ids, pooling, add_special_tokens)
         if text is not None:
             check_text(text, self.limits)
         ids = self.tokenize(text, add_special_tokens) if text is not None else list(input_ids)
@@ -97,6 +101,23 @@ class RequestFrontend:
         check_logprob_args(len(ids), logprob_start_len, top_logprobs_num)
         return GenerateInput(rid, ids, sp, stream, bool(return_logprob), logprob_start_len,
                              int(top_logprobs_num or 0), extra_key, mm_inputs)
+
+    def prepare_embedding(self, rid: str, text: str | None, input_ids: list[int] | None, pooling: PoolingParams,
+                          add_special_tokens: bool = True) -> GenerateInput:
+        """An embedding request: the prompt only, computed and pooled (``max_new_tokens`` 0, never streamed)."""
+        if text is not None:
+            check_text(text, self.limits)
+        ids = self.tokenize(text, add_special_tokens) if text is not None else list(input_ids)
+        check_input_ids(ids, self.limits)
+        sp = parse_sampling_params({"max_new_tokens": 0}, self.limits, self.tokenizer)
+        return GenerateInput(rid, ids, sp, pooling=pooling)
+
+
+def embedding_result(out: dict) -> dict:
+    """A finished embedding request's result as ``Engine.encode`` returns it (upstream SGLang's shape):
+    {"embedding": [floats], "meta_info": {prompt_tokens, ...}}."""
+    meta = dict(out["meta_info"])
+    return {"embedding": meta.pop("embedding"), "meta_info": meta}
 
 
 def samples_per_prompt(params: list) -> int:

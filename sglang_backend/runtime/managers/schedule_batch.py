@@ -43,6 +43,7 @@ class Req:
         extra_key=None,
         stream: bool = False,
         mm_inputs=None,
+        pooling=None,
     ):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
@@ -87,6 +88,12 @@ class Req:
         self.grammar = None  # GrammarMatcher for regex / JSON-schema constrained requests
         self.output_ids_rewritten_from = NOTHING_REWRITTEN  # smallest output index changed by jump-forward since last emit
 
+        # Embedding requests (io_struct.PoolingParams): the pooled final hidden states, summed over the prompt's
+        # chunks as they are computed ("mean"), or the last token's ("last"); the result when finished.
+        self.pooling = pooling
+        self.pooled_sum: torch.Tensor | None = None
+        self.embedding: list[float] | None = None
+
     def grammar_spec(self) -> tuple[str, str] | None:
         sp = self.sampling_params
         if sp.regex is not None:
@@ -120,6 +127,8 @@ class Req:
         """How much of all_ids may come from the cache: at least one token must be computed (its logits are
         sampled), and prompt logprobs need the logits at every position from logprob_start_len - 1."""
         limit = self.seq_len - 1
+        if self.pooling is not None and self.pooling.mode == "mean":
+            return 0  # mean pooling needs every prompt token's hidden state, so every token is computed
         if not self.input_logprobs_done:
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return max(limit, 0)
@@ -151,6 +160,20 @@ class ScheduleBatch:
     out_cache_loc: torch.Tensor | None = None
     # Rows of the flattened batch whose logits are computed, per request (empty for a mid-prompt chunk).
     logit_rows: list[list[int]] = field(default_factory=list)
+
+    def pool_spans(self) -> list[tuple[int, int] | None] | None:
+        """Extend batches with embedding requests: per request, the rows of the flattened batch whose final
+        hidden states it pools this step (None: none, or not an embedding request); None if no request pools."""
+        if not self.forward_mode.is_extend() or all(r.pooling is None for r in self.reqs):
+            return None
+        spans, offset = [], 0
+        for r, e in zip(self.reqs, self.extend_lens):
+            if r.pooling is None or (r.pooling.mode == "last" and r.is_chunked):
+                spans.append(None)  # "last": only the final chunk holds the last token
+            else:
+                spans.append((offset, offset + e) if r.pooling.mode == "mean" else (offset + e - 1, offset + e))
+            offset += e
+        return spans
 
     def to_forward_batch(self, device: str, req_to_token_pool=None) -> ForwardBatch:
         ids: list[int] = []
@@ -186,4 +209,5 @@ class ScheduleBatch:
             mm_inputs=[r.mm_inputs for r in self.reqs] if any(r.mm_inputs for r in self.reqs)
             and self.forward_mode.is_extend() else None,
             shared_first_slot=shared,
+            pool_spans=self.pool_spans(),
         )

@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from ...utils import die_with_parent
-from ..constrained import GrammarCache, retokenize_jump_forward
+from ..constrained import GrammarCache, cache_options, retokenize_jump_forward
 from ..layers.logits_processor import token_logprobs, top_logprobs
 from ..layers.sampler import Sampler, SamplingBatchInfo
 from ..mem_cache.chunk_cache import ChunkCache
@@ -171,10 +171,8 @@ class Scheduler:
     def grammar_cache(self):
         """Compiled regex/JSON-schema grammars (token masks), shared by all requests; built on first use."""
         if self._grammar_cache is None:
-            sa = self.server_args
             self._grammar_cache = GrammarCache(self.tokenizer, self.model_runner.vocab_size, self.eos_token_ids,
-                                               timeout_s=sa.grammar_compile_timeout,
-                                               max_regex_chars=sa.grammar_max_regex_chars)
+                                               **cache_options(self.server_args))
         return self._grammar_cache
 
     def add_request(self, req: Req) -> None:
@@ -242,7 +240,7 @@ class Scheduler:
         still cannot be built fails alone, reported with the next ``run_iteration``."""
         try:
             req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.return_logprob, msg.logprob_start_len,
-                      msg.top_logprobs_num, msg.extra_key, msg.stream, msg.mm_inputs)
+                      msg.top_logprobs_num, msg.extra_key, msg.stream, msg.mm_inputs, msg.pooling)
         except Exception as e:  # noqa: BLE001 - one bad request fails alone; the loop keeps serving
             logger.warning("rejected request %s: %s", msg.rid, e)
             req = Req(msg.rid, msg.input_ids or [0], SamplingParams(max_new_tokens=0))
@@ -375,8 +373,10 @@ class Scheduler:
             t0 = time.perf_counter()
             self.policy.match(req)  # fresh: an admission's allocation may have evicted part of an older match
             self.stats.tree_op_seconds += time.perf_counter() - t0
+        # Held back a round to hit the prefix an admitted request computes; not a request that reuses no cached
+        # prefix (mean-pooled embeddings compute every token), which would only wait for nothing.
         if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
-                and plan.admitted_prefixes.shares_uncached_prefix(req):
+                and req.max_prefix_len() > 0 and plan.admitted_prefixes.shares_uncached_prefix(req):
             return True
         self.tree_cache.inc_lock_ref(req.last_node)
         prefix_len = len(req.prefix_indices)
@@ -473,8 +473,8 @@ class Scheduler:
                 first = max(p, req.logprob_start_len - 1)
                 last = min(p + e, len(req.origin_input_ids) - 1)
                 rows = [offset + (pos - p) for pos in range(first, last)]
-            if not req.is_chunked:
-                rows.append(offset + e - 1)  # the last token's logits are sampled
+            if not req.is_chunked and req.pooling is None:
+                rows.append(offset + e - 1)  # the last token's logits are sampled (embeddings sample nothing)
             logit_rows.append(rows)
             offset += e
         return ScheduleBatch(reqs, ForwardMode.EXTEND, prefix_lens, extend_lens,
@@ -500,6 +500,10 @@ class Scheduler:
                 self._cache_unfinished(req)
                 self.chunked_req = req
                 continue
+            if req.pooling is not None:
+                self._finish_embedding(req)
+                outputs.append(req)
+                continue
             if req.sampling_params.max_new_tokens == 0 or req.remaining_new_tokens() == 0:
                 # Prefill only: the frontend's fork hint caches the prefix and returns.
                 req.finished_reason = finish_length(len(req.output_ids))
@@ -511,6 +515,19 @@ class Scheduler:
         if sample_reqs:
             outputs += self._sample_and_advance(sample_reqs, torch.stack(sample_rows), new_running=True)
         return outputs
+
+    def _finish_embedding(self, req: Req) -> None:
+        """An embedding request's prompt is computed: its pooled vector is its result; its KV goes to the tree
+        like any finished request's."""
+        vec = req.pooled_sum
+        if req.pooling.mode == "mean":
+            vec = vec / len(req.origin_input_ids)
+        if req.pooling.normalize:
+            vec = torch.nn.functional.normalize(vec, dim=0)
+        req.embedding = vec.cpu().tolist()
+        req.pooled_sum = None
+        req.finished_reason = finish_stop(None)
+        self.release(req)
 
     def _add_input_logprobs(self, req: Req, prefix_len: int, logits: torch.Tensor) -> None:
         first = max(prefix_len, req.logprob_start_len - 1)
@@ -596,6 +613,10 @@ class Scheduler:
         fb = batch.to_forward_batch(self.device, self.req_to_token_pool)
         t0 = time.perf_counter()
         logits = self.model_runner.forward(fb)
+        if fb.pooled_sums is not None:  # embedding requests: this step's share of their pooled states
+            for req, part in zip(batch.reqs, fb.pooled_sums):
+                if part is not None:
+                    req.pooled_sum = part if req.pooled_sum is None else req.pooled_sum + part
         self.stats.forward_seconds += time.perf_counter() - t0
         self.stats.num_forward_tokens += len(fb.input_ids)
         return logits
@@ -919,6 +940,7 @@ class SchedulerProcess:
             "context_len": sched.context_len,
             "max_total_num_tokens": sched.max_total_num_tokens,
             "vocab_size": sched.model_runner.vocab_size,
+            "hidden_size": sched.model_runner.text_config.hidden_size,  # an embedding's dimensions
             "max_running_requests": sched.server_args.max_running_requests,
             "device": sched.device,
             "dtype": str(sched.model_runner.dtype).replace("torch.", ""),

@@ -28,6 +28,8 @@ class OutputCollector:
         meta = {}
         if first or finished:
             meta = {"prompt_tokens": len(req.origin_input_ids), "cached_tokens": req.cached_tokens}
+        if req.embedding is not None:  # sent once, with the finish (embedding requests never stream)
+            meta["embedding"] = req.embedding
         if req.return_logprob:
             meta["input_token_logprobs"] = req.input_token_logprobs[n_in:]
             meta["output_token_logprobs"] = req.output_token_logprobs[n_out:]

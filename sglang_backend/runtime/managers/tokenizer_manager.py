@@ -125,12 +125,10 @@ class TokenizerManager:
         """Same cache key as the scheduler's (vocab, EOS ids), so its disk cache serves both processes."""
         with self.tokenizer_lock:  # built once (it reads the vocabulary), by whichever preparing thread comes first
             if self._grammar_cache is None:
-                from ..constrained import GrammarCache  # deferred: only servers that see a grammar build one
+                from ..constrained import GrammarCache, cache_options  # deferred: only servers that see a grammar
 
-                sa = self.server_args
-                self._grammar_cache = GrammarCache(
-                    self.tokenizer, self.limits.vocab_size, set(self.info["eos_token_ids"]),
-                    timeout_s=sa.grammar_compile_timeout, max_regex_chars=sa.grammar_max_regex_chars)
+                self._grammar_cache = GrammarCache(self.tokenizer, self.limits.vocab_size,
+                                                   set(self.info["eos_token_ids"]), **cache_options(self.server_args))
             return self._grammar_cache
 
     def start_background(self) -> None:

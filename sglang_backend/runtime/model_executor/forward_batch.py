@@ -38,6 +38,10 @@ class ForwardBatch:
     # Decode: False when the scheduler knows the requests' KV does not all start at the same slot, so the batch
     # shares no prefix and cascade attention (which reads a shared prefix once) is skipped; True when unknown.
     shared_first_slot: bool = True
+    # Extend, embedding requests: per request, the rows [start, end) whose final hidden states it pools (None:
+    # none); the model runner leaves each span's fp32 sum in ``pooled_sums`` (None where the span is None).
+    pool_spans: list | None = None
+    pooled_sums: list | None = None
     # Filled in by the model runner.
     req_to_token_pool: object = None
     token_to_kv_pool: object = None

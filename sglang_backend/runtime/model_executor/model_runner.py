@@ -40,6 +40,12 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def pool_hidden_states(hidden: torch.Tensor, spans: list) -> list:
+    """Each span's final hidden states (after the final norm) summed in fp32, for embedding requests; the
+    scheduler divides by the token count (mean pooling) once the whole prompt has been computed."""
+    return [None if span is None else hidden[span[0]:span[1]].float().sum(dim=0) for span in spans]
+
+
 class ModelRunner:
     def __init__(self, server_args, config, model_dir: str | None, tp_rank: int = 0):
         self.server_args = server_args
@@ -242,6 +248,8 @@ class ModelRunner:
             return self.graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self._run_model(fb)
+        if fb.pool_spans is not None:
+            fb.pooled_sums = pool_hidden_states(hidden, fb.pool_spans)
         if fb.logits_indices is None or len(fb.logits_indices) == 0:
             return torch.empty(0, self.vocab_size, device=self.device)
         return self._compute_logits(hidden[fb.logits_indices])

@@ -1,0 +1,227 @@
+"""Grammar engines side by side (issue 25): cold compile time and per-token mask time, ours vs llguidance.
+
+    python -m benchmarks.bench_grammar [--walks 3] [--steps 48] [--out FILE]
+    PYTHONPATH=DIR python -m benchmarks.bench_grammar   # DIR holding xgrammar 0.2.8 adds it as a third column
+
+Corpus: every JSON schema and regex of the project's constrained-decoding corpus
+(``tests/unit/test_constrained_property.py``, the ``constrained.bench`` schema) and the schemas
+langchain-tests' standard structured-output and tool-calling tests send (``LANGCHAIN_SCHEMAS``).
+
+* **compile**: each grammar compiled once, cold (a fresh ``GrammarCache``, no disk cache), per engine:
+  ``fsm`` (ours: schema -> regex -> byte DFA -> token index) and ``llguidance`` (schema -> the same regex ->
+  llguidance). The per-server setup (llguidance's tokenizer, ~1 s) is reported apart. p50 / p99 / max.
+* **mask**: the scheduler's per-step call, ``matcher.fill_mask(logits_row)`` on SmolLM2's vocabulary, along
+  random walks (each step a token drawn uniformly from the allowed ones, seeded), the same tokens replayed on
+  both engines. Mean / p50 / p99 microseconds. ``mask_us``: the first pass over the walks (each step's state
+  may be new: llguidance builds lexer states lazily, our engine materialises a state's cached row);
+  ``mask_us_warm``: the same walks again (a schema served before: rows and lexer states built, as in a server
+  that keeps getting the same schema).
+
+Targets (2 CPU cores): compile p50 <= 50 ms, p99 <= 500 ms; mask mean <= 20 us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.common import default_output, env_info, write_json
+from sglang_backend.runtime.constrained import GrammarCache
+from sglang_backend.runtime.constrained.bench import BENCH_SCHEMA
+from sglang_backend.runtime.model_loader.embedded import default_model_path
+
+ENGINES = ("fsm", "llguidance")
+TARGETS = {"compile_p50_ms": 50.0, "compile_p99_ms": 500.0, "mask_mean_us": 20.0}
+
+
+def langchain_schemas() -> dict[str, dict]:
+    """The JSON schemas langchain-tests' standard chat-model tests send (structured output and tools)."""
+    from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+    from langchain_tests.integration_tests import chat_models as lc  # the installed suite (test extra)
+
+    out = {}
+    for kind in ("pydantic", "typeddict", "json_schema"):
+        schema, _ = lc._get_joke_class(kind)
+        out[f"langchain/joke_{kind}"] = convert_to_json_schema(schema)
+    for tool in (lc.magic_function, lc.magic_function_no_args, lc.unicode_customer):
+        out[f"langchain/tool_{tool.name}"] = convert_to_openai_tool(tool)["function"]["parameters"]
+    out["langchain/tool_color_picker"] = {"type": "object", "properties": {"fav_color": {"type": "string"}},
+                                          "required": ["fav_color"]}
+    return out
+
+
+def corpus() -> list[tuple[str, str, object]]:
+    """(name, kind, spec) for every grammar benchmarked."""
+    from tests.unit.test_constrained_property import REGEXES, SCHEMAS  # the project's corpus
+
+    items = [(f"schema/{i}", "json_schema", s) for i, s in enumerate(SCHEMAS)]
+    items.append(("schema/bench", "json_schema", BENCH_SCHEMA))
+    items += [(name, "json_schema", s) for name, s in langchain_schemas().items()]
+    items += [(f"regex/{i}", "regex", r) for i, r in enumerate(REGEXES)]
+    return items
+
+
+def _cache(tokenizer, backend: str) -> GrammarCache:
+    return GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, disk_cache=False, backend=backend)
+
+
+def compile_times(tokenizer, items, backend: str) -> tuple[dict, dict, float]:
+    """Cold compile seconds per grammar, the compiled grammars (errors as strings), and the setup seconds."""
+    cache = _cache(tokenizer, backend)
+    t0 = time.perf_counter()
+    if backend == "llguidance":
+        cache._llguidance_compiler(required=True)  # the one-off per server: llguidance's tokenizer
+    setup = time.perf_counter() - t0
+    seconds, compiled = {}, {}
+    for name, kind, spec in items:
+        t0 = time.perf_counter()
+        try:
+            compiled[name] = cache.compile(kind, spec)
+        except ValueError as e:
+            compiled[name] = f"{type(e).__name__}: {e}"[:200]
+        seconds[name] = time.perf_counter() - t0
+    return seconds, compiled, setup
+
+
+def random_walk(grammar, eos: set[int], rng: random.Random, steps: int) -> list[int]:
+    """Tokens of one walk: each drawn uniformly from the allowed ones (EOS ends it)."""
+    matcher, tokens = grammar.matcher(), []
+    for _ in range(steps):
+        if matcher.is_finished():
+            break
+        allowed = matcher.allowed_token_ids()
+        if not allowed:
+            break
+        tok = rng.choice(allowed)
+        if tok in eos:
+            break
+        matcher.advance(tok)
+        tokens.append(tok)
+    return tokens
+
+
+def mask_times(grammar, walk: list[int], vocab_size: int) -> list[float]:
+    """Seconds of ``fill_mask`` at each step of ``walk`` (a walk another engine rejects stops early)."""
+    matcher, row, out = grammar.matcher(), torch.zeros(vocab_size), []
+    for tok in walk + [None]:
+        row.zero_()
+        t0 = time.perf_counter()
+        matcher.fill_mask(row)
+        out.append(time.perf_counter() - t0)
+        if tok is None or not bool(row[tok] == 0):
+            break
+        matcher.advance(tok)
+    return out
+
+
+def _stats(samples: list[float], scale: float) -> dict:
+    if not samples:
+        return {"n": 0}
+    a = np.asarray(samples) * scale
+    return {"n": len(samples), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def xgrammar_column(tokenizer, items, walks: dict[str, list[list[int]]]) -> dict:
+    """Compile and mask times on xgrammar when it is importable (its own JSON-schema semantics, no digit bounds)."""
+    try:
+        import xgrammar as xgr  # optional: only measured where installed
+    except ImportError:
+        return {"skipped": "xgrammar is not installed"}
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    seconds, masks, errors = {}, [], {}
+    for name, kind, spec in items:
+        t0 = time.perf_counter()
+        try:
+            grammar = (compiler.compile_json_schema(json.dumps(spec), any_whitespace=False) if kind == "json_schema"
+                       else compiler.compile_regex(spec))
+        except Exception as e:  # noqa: BLE001 - recorded per grammar
+            errors[name] = str(e)[:200]
+            continue
+        seconds[name] = time.perf_counter() - t0
+        bitmask, row = xgr.allocate_token_bitmask(1, info.vocab_size), torch.zeros(1, info.vocab_size)
+        for walk in walks.get(name, []):
+            matcher = xgr.GrammarMatcher(grammar)
+            for tok in walk:
+                t0 = time.perf_counter()
+                matcher.fill_next_token_bitmask(bitmask)
+                xgr.apply_token_bitmask_inplace(row, bitmask)
+                masks.append(time.perf_counter() - t0)
+                if not matcher.accept_token(tok):
+                    break
+    schema_s = [seconds[n] for n, k, _ in items if k == "json_schema" and n in seconds]
+    return {"compile_ms_schemas": _stats(schema_s, 1e3), "compile_ms_all": _stats(list(seconds.values()), 1e3),
+            "mask_us": _stats(masks, 1e6),
+            "errors": errors, "per_grammar_compile_ms": {k: v * 1e3 for k, v in seconds.items()}}
+
+
+def run(walks_per_grammar: int = 3, steps: int = 48, seed: int = 0, xgrammar: bool = True) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    eos = {tokenizer.eos_token_id}
+    items = corpus()
+    result: dict = {"env": env_info(), "tokenizer": "SmolLM2-135M-Instruct", "vocab_size": len(tokenizer),
+                    "n_grammars": len(items), "n_schemas": sum(k == "json_schema" for _, k, _ in items),
+                    "walks_per_grammar": walks_per_grammar, "steps_per_walk": steps, "targets": TARGETS,
+                    "engines": {}}
+    compiled = {}
+    for backend in ENGINES:
+        seconds, compiled[backend], setup = compile_times(tokenizer, items, backend)
+        result["engines"][backend] = {"setup_s": setup, "seconds": seconds}
+    rng = random.Random(seed)
+    walks = {name: [random_walk(compiled["llguidance"][name], eos, rng, steps) for _ in range(walks_per_grammar)]
+             for name, _, _ in items if not isinstance(compiled["llguidance"][name], str)}
+    for backend in ENGINES:
+        r = result["engines"][backend]
+        seconds = r.pop("seconds")
+        passes = [[t for name, ws in walks.items() if not isinstance(compiled[backend][name], str)
+                   for w in ws for t in mask_times(compiled[backend][name], w, len(tokenizer))] for _ in range(2)]
+        schema_s = [seconds[n] for n, k, _ in items if k == "json_schema"]
+        r.update({"compile_ms_schemas": _stats(schema_s, 1e3), "compile_ms_all": _stats(list(seconds.values()), 1e3),
+                  "mask_us": _stats(passes[0], 1e6), "mask_us_warm": _stats(passes[1], 1e6),
+                  "errors": {n: c for n, c in compiled[backend].items() if isinstance(c, str)},
+                  "per_grammar_compile_ms": {n: s * 1e3 for n, s in seconds.items()}})
+    if xgrammar:
+        result["engines"]["xgrammar"] = xgrammar_column(tokenizer, items, walks)
+    result["summary"] = summary(result)
+    return result
+
+
+def summary(result: dict) -> dict:
+    out = {}
+    for backend, r in result["engines"].items():
+        if "compile_ms_schemas" not in r:
+            continue
+        c = r["compile_ms_schemas"]
+        out[backend] = {"compile_p50_ms": c["p50"], "compile_p99_ms": c["p99"], "mask_mean_us": r["mask_us"].get("mean"),
+                        "mask_warm_mean_us": r.get("mask_us_warm", {}).get("mean"),
+                        "meets_targets": bool(c["p50"] <= TARGETS["compile_p50_ms"]
+                                              and c["p99"] <= TARGETS["compile_p99_ms"]
+                                              and (r["mask_us"].get("mean") or 1e9) <= TARGETS["mask_mean_us"])}
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--walks", type=int, default=3, help="random walks per grammar for the mask times")
+    p.add_argument("--steps", type=int, default=48, help="tokens per walk at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-xgrammar", action="store_true", help="skip the xgrammar column even where installed")
+    p.add_argument("--out", default=default_output("grammar_engines"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    result = run(args.walks, args.steps, args.seed, xgrammar=not args.no_xgrammar)
+    write_json(result, args.out)
+    print(json.dumps(result["summary"], indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
