@@ -13,7 +13,8 @@ Two ways in, per batch:
   backend does. FA3's causal mask is bottom-right aligned, which is exactly "the prefix plus the causal part".
 
 Sliding windows: W (the query at i sees i - W < j <= i) is FA3's ``window_size = (W - 1, 0)``; attention
-softcapping is its ``softcap``. fp16 and bf16 only; head sizes up to 256.
+softcapping is its ``softcap`` at prefill, but the triton decode kernels have none, so a soft-capped model is
+refused at decode as on the triton backend. fp16 and bf16 only; head sizes up to 256.
 """
 
 from __future__ import annotations
@@ -69,10 +70,6 @@ class FA3AttnBackend(TritonAttnBackend):
         if any(prefix) or sum(extend) == 1:  # the pool's one-token pages, each request's row of the table
             pages = device_table(fb.req_to_token_pool)[fb.req_pool_indices, :max_k].to(torch.int32)
         self.extend_metadata = (meta[0], meta[1, :n], max_q, max_k, pages)
-
-    @staticmethod
-    def _check(layer) -> None:
-        """FA3 applies soft caps itself (the triton kernels cannot)."""
 
     def forward_extend(self, q, k, v, layer, fb, save_kv: bool = True):
         if save_kv:
