@@ -270,6 +270,37 @@ def test_in_batch_dedup_does_not_hold_back_cached_prefixes(make_sched, policy):
         "requests whose shared prefix is already cached were held back by in-batch dedup")
 
 
+@pytest.mark.parametrize("evict", [False, True])
+def test_admission_rematches_only_after_an_eviction(make_sched, evict):
+    """A request matched against the tree while the policy orders the queue keeps that match at admission, unless
+    an allocation evicted since: then it is matched again, as its old match may name freed slots. Here the whole
+    tree is evicted between ordering and admission (as an earlier admission's allocation would): the request
+    must compute its prompt from scratch and still give the reference's tokens."""
+    rng = random.Random(11)
+    prefix = rand_ids(rng, 40)
+    warm = (prefix + rand_ids(rng, 4), {"max_new_tokens": 1, "ignore_eos": True})
+    work = [(prefix + rand_ids(rng, 6), {"max_new_tokens": 6, "ignore_eos": True})]
+    reference = run_workload(make_sched(max_total_tokens=512), work)
+    sched = make_sched(max_total_tokens=512)
+    run_workload(sched, [warm])  # caches the prefix
+    admit, matches = sched._try_admit, []
+
+    def evict_then_admit(plan, req):
+        if evict:
+            sched.tree_cache.evict(10**6)
+        result = admit(plan, req)
+        matches.append(len(req.prefix_indices))
+        return result
+
+    match, match_calls = sched.policy.match, []
+    sched.policy.match = lambda req: match_calls.append(req.rid) or match(req)
+    sched._try_admit = evict_then_admit
+    assert run_workload(sched, work) == reference
+    assert matches == [0 if evict else 40]
+    assert match_calls == (["r0", "r0"] if evict else ["r0"])  # ordering, then admission only after an eviction
+    assert sched.get_stats()["num_cached_tokens"] == (0 if evict else 40)
+
+
 # Frontend hint: max_new_tokens=0 ------------------------------------------------------------------------------------
 def test_prefill_only_hint_caches_prefix(tiny_gqa_dir):
     rng = random.Random(5)
