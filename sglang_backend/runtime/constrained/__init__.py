@@ -14,6 +14,7 @@ Modules (design notes live in their docstrings):
 * ``budget``         the compile budget: sizes, states and llguidance's fuel, never wall-clock seconds
 """
 
+from .budget import GrammarTooComplex
 from .compressed_fsm import CompressedFSM
 from .grammar import (
     CompiledGrammar,
@@ -34,6 +35,7 @@ __all__ = [
     "CompressedFSM",
     "GrammarCache",
     "GrammarMatcher",
+    "GrammarTooComplex",
     "TokenIndex",
     "TokenIndexCache",
     "TokenVocabulary",

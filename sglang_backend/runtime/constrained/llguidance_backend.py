@@ -25,6 +25,7 @@ has the same one). llguidance is optional: without it regex and JSON schemas sta
 from __future__ import annotations
 
 import functools
+import re
 import threading
 
 import numpy as np
@@ -62,6 +63,20 @@ def _whole_chars(data: bytes) -> str:
     return ""
 
 
+# A counted repetition (``a{n}``, ``a{m,n}``) larger than this is refused at compile time. llguidance builds its
+# lexer lazily, so a huge count fails only mid-decode ("too many expressions constructed"); our own engine refuses
+# it at compile time too (its DFA states). The JSON-schema regexes stay far below it (digit and string caps).
+MAX_REPEAT = 10_000
+_COUNTED_REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
+
+
+def _check_repeats(regex: str) -> None:
+    for m in _COUNTED_REPEAT.finditer(regex):
+        if max(int(m.group(1)), int(m.group(2) or 0)) > MAX_REPEAT:
+            raise grammar_budget.GrammarTooComplex(
+                f"grammar too complex: the repetition {m.group(0)} exceeds {MAX_REPEAT}")
+
+
 def _parser_limits(budget: grammar_budget.GrammarBudget | None):
     import llguidance  # optional dependency: only reached once llguidance_available()
 
@@ -72,7 +87,7 @@ def _parser_limits(budget: grammar_budget.GrammarBudget | None):
 
 def _grammar_error(error: str, invalid_prefix: str) -> ValueError:
     """llguidance's error as ours: past a limit (fuel, states, size) ``GrammarTooComplex``, else invalid."""
-    if "limit" in error or "fuel" in error:
+    if "limit" in error or "fuel" in error or "too many" in error:
         return grammar_budget.GrammarTooComplex(f"grammar too complex: {error}")
     return ValueError(invalid_prefix + error)
 
@@ -123,6 +138,7 @@ class LLGuidanceCompiler:
         """A ``regex`` or ``json_schema`` grammar from its regex (``spec`` is the request's own text)."""
         import llguidance  # optional dependency: only reached once llguidance_available()
 
+        _check_repeats(regex)
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(regex_to_lark_grammar(regex))
         except ValueError as e:  # _preprocess: a bad \\u escape
@@ -222,10 +238,18 @@ class LLGuidanceMatcher:
 
     # -- masks -------------------------------------------------------------------------------------
     def _mask_bytes(self) -> bytes | None:
-        """llguidance's packed mask for this step (None once only EOS may follow: terminated or failed)."""
-        if self.terminated or self.matcher.is_error():
+        """llguidance's packed mask for this step (None once only EOS may follow: terminated, or a failed matcher,
+        e.g. an empty language). A matcher past a budget (a step's fuel, a lexer limit) raises
+        ``GrammarTooComplex``, which ends the request with a 400."""
+        if self.terminated:
             return None
-        return self.matcher.compute_bitmask()
+        mask = None if self.matcher.is_error() else self.matcher.compute_bitmask()
+        if self.matcher.is_error():
+            error = _grammar_error(self.matcher.get_error(), "")
+            if isinstance(error, grammar_budget.GrammarTooComplex):
+                raise error
+            return None
+        return mask
 
     def allowed_mask(self, device=None) -> torch.Tensor:
         """Boolean [vocab_size]: True where the token is allowed."""
@@ -260,8 +284,8 @@ class LLGuidanceMatcher:
             self.terminated = True
             self.num_tokens += 1
             return
-        if not self.matcher.consume_token(token_id):
-            raise ValueError(f"token {token_id} is not allowed by the grammar: {self.matcher.get_error()}")
+        if not self.matcher.consume_token(token_id):  # past a budget: GrammarTooComplex (a 400), else a ValueError
+            raise _grammar_error(self.matcher.get_error(), f"token {token_id} is not allowed by the grammar: ")
         self.num_tokens += 1
 
     def advance_text(self, text: str | bytes) -> None:

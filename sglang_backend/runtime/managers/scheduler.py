@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from ...utils import die_with_parent
-from ..constrained import GrammarCache, cache_options, retokenize_jump_forward
+from ..constrained import GrammarCache, GrammarTooComplex, cache_options, retokenize_jump_forward
 from ..layers.logits_processor import token_logprobs, top_logprobs
 from ..layers.sampler import Sampler, SamplingBatchInfo
 from ..mem_cache.chunk_cache import ChunkCache
@@ -721,6 +721,9 @@ class Scheduler:
             if req.grammar is not None:
                 try:
                     req.grammar.fill_mask(sample_logits[i])
+                except GrammarTooComplex as e:  # the client's grammar past its budget mid-decode: a 400
+                    self._end_over_budget(req, e)
+                    failed.add(i)
                 except Exception as e:  # noqa: BLE001 - one request's grammar fails that request only
                     logger.exception("grammar mask failed for request %s", req.rid)
                     self.fail_request(req, f"the grammar step failed for this request ({type(e).__name__}: {e})")
@@ -729,6 +732,17 @@ class Scheduler:
             return reqs, logits, sample_logits
         keep = [i for i in range(len(reqs)) if i not in failed]
         return [reqs[i] for i in keep], logits[keep], sample_logits[keep]
+
+    def _end_over_budget(self, req: Req, error: Exception) -> None:
+        """Ends one request whose grammar went past its budget while decoding (llguidance's step fuel or lexer
+        limits) with a 400: the grammar is the client's; its KV is sound and goes to the tree."""
+        logger.info("request %s ended: %s", req.rid, error)
+        req.finished_reason = finish_abort(str(error), 400)
+        if req in self.running:
+            self.running.remove(req)
+        self.release(req)
+        self.stats.num_aborted += 1
+        self.just_aborted.append(req)
 
     def _append_token(self, req: Req, tok: int, logprob: float | None, logits_row: torch.Tensor, now: float) -> bool:
         """Adds the sampled token (and its logprobs), advances the grammar, checks for the end. False if this
@@ -745,6 +759,9 @@ class Scheduler:
             if req.grammar is not None:
                 req.grammar.advance(tok)
             self.check_finished(req)
+        except GrammarTooComplex as e:  # the client's grammar past its budget mid-decode: a 400
+            self._end_over_budget(req, e)
+            return False
         except Exception as e:  # noqa: BLE001 - one request's post-processing fails that request only
             logger.exception("post-processing of request %s failed", req.rid)
             self.fail_request(req, f"the step failed for this request ({type(e).__name__}: {e})")
