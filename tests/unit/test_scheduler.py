@@ -464,3 +464,35 @@ def test_in_batch_prefix_index_finds_only_true_sharers():
     late = rand_ids(rng, 80)
     index.add(R(late))
     assert index.shares_uncached_prefix(R(late + [9], cached=40))
+
+
+@pytest.mark.parametrize("where", ["mask", "advance"])
+def test_grammar_over_budget_mid_decode_is_a_400_for_that_request_only(make_sched, monkeypatch, where):
+    """A grammar that goes past its budget while decoding (llguidance's step fuel, a lexer limit) is the client's
+    grammar: that request ends with a 400 (not a 500), its KV goes back whole, the other request goes on."""
+    from sglang_backend.runtime.constrained import GrammarTooComplex
+
+    sched = make_sched(max_total_tokens=1024)
+    rng = random.Random(3)
+    a = new_req(sched, "a", rand_ids(rng, 12), max_new_tokens=8, regex="[a-z ]{1,40}")
+    b = new_req(sched, "b", rand_ids(rng, 12), max_new_tokens=8, ignore_eos=True)
+    apply, steps = sched._apply_grammar_masks, []
+
+    def over_budget(*args):
+        raise GrammarTooComplex("grammar too complex: step fuel ran out")
+
+    def apply_then_run_out(reqs, logits):
+        grammars = [r.grammar for r in reqs if r.grammar is not None]
+        steps.extend(grammars[:1])
+        if grammars and len(steps) == 3:  # the grammar request's third sampling step
+            monkeypatch.setattr(type(grammars[0]), "fill_mask" if where == "mask" else "advance", over_budget)
+        return apply(reqs, logits)
+
+    sched._apply_grammar_masks = apply_then_run_out
+    for r in (a, b):
+        sched.add_request(r)
+    drain(sched)
+    assert a.finished_reason == {"type": "abort", "message": "grammar too complex: step fuel ran out",
+                                 "status_code": 400}, a.finished_reason
+    assert len(a.output_ids) < 8 and sched.get_stats()["num_aborted"] == 1  # ended early, alone
+    assert b.finished_reason["type"] == "length" and len(b.output_ids) == 8
