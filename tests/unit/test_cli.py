@@ -101,8 +101,11 @@ def test_demo_explains_the_cache_and_next_steps(tiny_gqa_dir):
 def test_demo_ctrl_c_is_one_line(tiny_gqa_dir):
     import signal
 
+    # As a terminal's shell starts a foreground job: SIGINT at its default. A test run started as a background job
+    # (`.ci/run &`) ignores SIGINT, which children inherit, and the demo would then never see the Ctrl-C.
     proc = subprocess.Popen([sys.executable, *demo_cmd(tiny_gqa_dir)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().startswith("loading ")  # building the Engine now
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole process group
