@@ -243,13 +243,14 @@ class LLGuidanceMatcher:
         ``GrammarTooComplex``, which ends the request with a 400."""
         if self.terminated:
             return None
-        mask = None if self.matcher.is_error() else self.matcher.compute_bitmask()
-        if self.matcher.is_error():
-            error = _grammar_error(self.matcher.get_error(), "")
-            if isinstance(error, grammar_budget.GrammarTooComplex):
-                raise error
-            return None
-        return mask
+        if not self.matcher.is_error():
+            mask = self.matcher.compute_bitmask()
+            if not self.matcher.is_error():
+                return mask
+        error = _grammar_error(self.matcher.get_error(), "")
+        if isinstance(error, grammar_budget.GrammarTooComplex):
+            raise error
+        return None
 
     def allowed_mask(self, device=None) -> torch.Tensor:
         """Boolean [vocab_size]: True where the token is allowed."""

@@ -38,11 +38,11 @@ class SchedulePolicy:
         return not self.tree_cache.disable and self.policy in ("lpm", "dfs-weight")
 
     def order(self, waiting: list[Req]) -> list[Req]:
-        if self.policy in ("fcfs", "lpm", "dfs-weight") and not self.matches_when_ordering():
-            ordered = list(waiting)  # fcfs, or a cache-aware policy without a cache (every match empty): FCFS
-        elif self.policy == "random":
+        if self.policy == "random":
             ordered = list(waiting)
             self.rng.shuffle(ordered)
+        elif not self.matches_when_ordering():
+            ordered = list(waiting)  # fcfs, or a cache-aware policy without a cache (every match empty): FCFS
         else:
             for req in waiting:
                 self.match(req)
