@@ -102,6 +102,8 @@ def markdown(result: dict) -> str:
                   json.dumps({k: check.get(k) for k in ("tokens_equal", "ok", "near_tie", "partings")}))
         lines += ["", f"Correctness (ours: triton vs torch_native, first {check.get('tokens', '?')} greedy tokens "
                       f"of {check.get('prompts', '?')} prompts): {detail}"]
+    if meta.get("note"):  # how a merged table was put together
+        lines += ["", f"Note: {meta['note']}"]
     lines += ["", "Not covered yet: " + "; ".join(f"{k} ({v})" for k, v in NOT_COVERED.items())]
     errors = result.get("errors") or {}
     if errors:

@@ -234,7 +234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=500, help="phases still running then are killed")
     ap.add_argument("--smoke", action="store_true", help="every size shrunk (CPU, tiny model)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="our engine's device")
-    ap.add_argument("--ours-mem-fraction", type=float, default=0.85, help="our mem_fraction_static")
+    ap.add_argument("--ours-mem-fraction", type=float, default=0.9, help="our mem_fraction_static (our default)")
     ap.add_argument("--ours-attention-backend", default="triton", choices=("triton", "fa3", "flashinfer"),
                     help="our engine's attention backend on the GPU (fa3: FlashAttention 3 from --vllm-site)")
     ap.add_argument("--vllm-mem-fraction", type=float, default=0.9, help="vLLM's gpu_memory_utilization")

@@ -31,13 +31,16 @@ class ServerArgs:
 
     # Memory
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (default: sized from memory)"})
-    mem_fraction_static: float = field(default=0.85, metadata={"help": "GPU: fraction of memory for weights + KV pool"})
+    # 0.9 as vLLM's gpu_memory_utilization: prompt-logprob logits, the one large activation, are bounded by
+    # max_prefill_logprob_tokens, so the remaining tenth holds activations, CUDA graphs and workspaces.
+    mem_fraction_static: float = field(default=0.9, metadata={"help": "GPU: fraction of memory for weights + KV pool"})
     max_running_requests: int = field(default=256, metadata={"help": "Request slots (running batch size cap)"})
     page_size: int = field(default=1, metadata={"help": "KV page size in tokens"})
 
     # Scheduling
     schedule_policy: str = field(default="lpm", metadata={"help": "Waiting-queue order", "choices": SCHEDULE_POLICIES})
     max_prefill_tokens: int = field(default=16384, metadata={"help": "Max new prompt tokens in one prefill batch"})
+    max_prefill_logprob_tokens: int = field(default=0, metadata={"help": "Prompt tokens whose logprobs one prefill batch computes (each a full-vocabulary fp32 logits row); a longer prompt asking for them is chunked. 0: auto, 1 GiB of logits"})
     chunked_prefill_size: int = field(default=8192, metadata={"help": "Split prompts longer than this (<=0 disables)"})
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Scales reserved decode growth"})
     starvation_limit: int = field(default=64, metadata={"help": "A request passed over this many scheduling rounds is admitted first (aging)"})
@@ -108,6 +111,8 @@ class ServerArgs:
             raise ValueError("max_running_requests must be >= 1")
         if self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
+        if self.max_prefill_logprob_tokens < 0:
+            raise ValueError("max_prefill_logprob_tokens must be >= 0 (0: auto)")
         if self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
         if self.graceful_shutdown_timeout < 0:

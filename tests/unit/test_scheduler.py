@@ -301,6 +301,44 @@ def test_admission_rematches_only_after_an_eviction(make_sched, evict):
     assert sched.get_stats()["num_cached_tokens"] == (0 if evict else 40)
 
 
+# Prompt logprobs: bounded logits per prefill batch -----------------------------------------------------------------
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prompt_logprobs_chunked_to_the_logit_budget(make_sched, page_size):
+    """A batch computes at most max_prefill_logprob_tokens full-vocabulary logits rows for prompt logprobs (long
+    prompts asking for them are chunked), with the same logprobs and outputs as an unbounded batch."""
+    from sglang_backend.runtime.managers.schedule_batch import Req
+    from sglang_backend.runtime.sampling_params import SamplingParams
+
+    rng = random.Random(12)
+    prompts = [rand_ids(rng, n) for n in (40, 7, 33)]
+    starts = [0, 0, 20]  # the last asks for logprobs from position 20 only: its first 19 tokens need no rows
+
+    def run(**kw):
+        sched = make_sched(max_total_tokens=1024, page_size=page_size, **kw)
+        batch_rows = []
+        build = sched._build_extend_batch
+        sched._build_extend_batch = lambda *a: (lambda b: batch_rows.append(sum(map(len, b.logit_rows))) or b)(build(*a))
+        reqs = []
+        for i, (ids, start) in enumerate(zip(prompts, starts)):
+            sp = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 3})
+            sp.normalize(sched.tokenizer)
+            reqs.append(Req(f"r{i}", ids, sp, return_logprob=True, logprob_start_len=start, top_logprobs_num=2))
+            sched.add_request(reqs[-1])
+        drain(sched)
+        return reqs, batch_rows
+
+    free, free_rows = run()
+    capped, capped_rows = run(max_prefill_logprob_tokens=8)
+    assert max(free_rows) > 40 and max(capped_rows) <= 8 + len(prompts)  # + each request's sampled last row
+    for a, b in zip(free, capped):
+        assert a.output_ids == b.output_ids
+        assert len(a.input_token_logprobs) == len(b.input_token_logprobs) == len(a.origin_input_ids) - a.logprob_start_len
+        for (la, ta), (lb, tb) in zip(a.input_token_logprobs, b.input_token_logprobs):
+            assert ta == tb and (la is None) == (lb is None) and (la is None or abs(la - lb) < 1e-5)
+        assert [[t for _, t in row] for row in a.input_top_logprobs[1:]] == \
+            [[t for _, t in row] for row in b.input_top_logprobs[1:]]
+
+
 # Frontend hint: max_new_tokens=0 ------------------------------------------------------------------------------------
 def test_prefill_only_hint_caches_prefix(tiny_gqa_dir):
     rng = random.Random(5)

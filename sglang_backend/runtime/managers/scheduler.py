@@ -83,6 +83,7 @@ class PrefillPlan:
     chunk_budget: float  # chunked_prefill_size (inf: off)
     input_budget: float  # max_prefill_tokens
     decode_reserve: int  # output tokens the running and the admitted requests may still ask for (unscaled)
+    logprob_budget: int  # prompt positions whose full-vocabulary logits this batch may still compute
     reqs: list[Req] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
@@ -128,6 +129,9 @@ class Scheduler:
         self.req_to_token_pool = self.model_runner.req_to_token_pool
         self.allocator = self.model_runner.token_to_kv_pool_allocator
         self.page_size = server_args.page_size
+        # Auto: 1 GiB of fp32 logits; at least a page, so a chunk always makes progress.
+        self.max_prefill_logprob_tokens = max(self.page_size, server_args.max_prefill_logprob_tokens
+                                              or 2**30 // (4 * self.model_runner.vocab_size))
         self.eos_token_ids = self._eos_ids(config, tokenizer)
 
         if server_args.disable_radix_cache:
@@ -317,13 +321,15 @@ class Scheduler:
             return None
         sa = self.server_args
         plan = PrefillPlan(sa.chunked_prefill_size if sa.chunked_prefill_size > 0 else float("inf"),
-                           max(sa.max_prefill_tokens, 1), sum(map(self._tokens_to_reserve, self.running)))
+                           max(sa.max_prefill_tokens, 1), sum(map(self._tokens_to_reserve, self.running)),
+                           self.max_prefill_logprob_tokens)
         # A partly computed prompt continues first.
         if self.chunked_req is not None:
             req = self.chunked_req
             self.chunked_req = None
             remaining = req.seq_len - req.kv_len
             extend = min(remaining, self._page_floor(plan.chunk_budget, remaining))
+            extend = self._logprob_cap(plan, req, req.kv_len, extend)
             req.is_chunked = extend < remaining
             if not self._admit(plan, req, extend):
                 raise RuntimeError("out of KV memory while continuing a chunked prefill")
@@ -355,6 +361,7 @@ class Scheduler:
         plan.decode_reserve += self._tokens_to_reserve(req)
         plan.prefix_lens.append(req.kv_len - extend_len)
         plan.extend_lens.append(extend_len)
+        plan.logprob_budget -= self._logprob_rows(req, req.kv_len - extend_len, extend_len)
         plan.chunk_budget -= extend_len
         plan.input_budget -= extend_len
         return True
@@ -415,7 +422,28 @@ class Scheduler:
                 req.is_chunked = True
             elif plan.reqs:
                 return None
+        capped = self._logprob_cap(plan, req, prefix_len, extend)
+        if capped < extend:
+            if sa.chunked_prefill_size <= 0 or capped <= 0:
+                return None if plan.reqs else extend  # the next batch has the budget; alone, it runs whole
+            extend, req.is_chunked = capped, True
         return extend
+
+    @staticmethod
+    def _logprob_rows(req: Req, prefix_len: int, extend: int) -> int:
+        """Prompt positions of this chunk whose logits score the next prompt token (prompt logprobs)."""
+        if req.input_logprobs_done:
+            return 0
+        first = max(prefix_len, req.logprob_start_len - 1)
+        return max(0, min(prefix_len + extend, len(req.origin_input_ids) - 1) - first)
+
+    def _logprob_cap(self, plan: PrefillPlan, req: Req, prefix_len: int, extend: int) -> int:
+        """``extend`` shortened (to a page boundary) so the chunk's prompt-logprob rows fit the batch's budget: a
+        long prompt asking for logprobs is chunked rather than holding [tokens, vocab] fp32 logits at once."""
+        if self._logprob_rows(req, prefix_len, extend) <= plan.logprob_budget:
+            return extend
+        first = max(prefix_len, req.logprob_start_len - 1)
+        return self._page_floor(max(0, first - prefix_len + plan.logprob_budget), extend)
 
     def _page_floor(self, budget, need: int) -> int:
         """Largest chunk <= budget that ends on a page boundary (so the tree can take the chunk's KV)."""
