@@ -222,6 +222,16 @@ def check_fused_ops(device, dtype, T=37, hidden=320, inter=448, num_heads=8, num
         ref = head_rmsnorm(wide.clone(), q_norm, k_norm, H, Hkv, D)  # torch reference (no options)
         errs["head_rmsnorm"] = rel_err(fused_ops.head_rmsnorm_(wide, q_norm.weight, k_norm.weight, H, Hkv, D, 1e-6),
                                        ref)
+        # Qwen3: the per-head norms inside the rotary kernel == head_rmsnorm then rotary.
+        normed = head_rmsnorm(qkv.clone(), q_norm, k_norm, H, Hkv, D)
+        qn_ref = apply_rotary(normed[:, : H * D].double().view(T, H, D), cos, sin).view(T, -1)
+        kn_ref = apply_rotary(normed[:, H * D : (H + Hkv) * D].double().view(T, Hkv, D), cos, sin)
+        k_buf.fill_(float("nan"))
+        qkv4 = qkv.clone()
+        fused_ops.rope_and_store_kv(qkv4, positions, cos_sin, H, Hkv, D, loc, k_buf, v_buf,
+                                    qk_norm=(q_norm.weight, k_norm.weight, 1e-6))
+        errs["rope_qk_norm.q"] = rel_err(qkv4[:, : H * D], qn_ref)
+        errs["rope_qk_norm.k_store"] = rel_err(k_buf[loc], kn_ref)
         qkv3 = qkv.clone()
         fused_ops.rope_and_store_kv(qkv3, positions, cos_sin, H, Hkv, D)
         errs["rope.no_store"] = rel_err(qkv3[:, : (H + Hkv) * D], torch.cat([q_ref, k_ref.reshape(T, -1)], -1))

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 
-def _peaked_model(tmp_path_factory, hidden_size: int) -> str:
+def _peaked_model(tmp_path_factory, hidden_size: int, **extra) -> str:
     """A small random Llama (GQA, 8 query heads, 2 KV heads) whose logits have clear winners (larger init
     std), so greedy decoding is insensitive to rounding-level differences between attention implementations."""
     from sglang_backend.runtime.model_loader.loader import dummy_config, save_dummy_hf_model
@@ -21,7 +21,7 @@ def _peaked_model(tmp_path_factory, hidden_size: int) -> str:
     out = str(tmp_path_factory.mktemp("gpu_dummy"))
     cfg = dummy_config(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=2048,
-                       initializer_range=0.2)
+                       initializer_range=0.2, **extra)
     return save_dummy_hf_model(cfg, out, seed=0)
 
 
@@ -33,6 +33,11 @@ def peaked_model_dir(tmp_path_factory):  # head size 32
 @pytest.fixture(scope="module")
 def peaked_model_dir_hd64(tmp_path_factory):  # head size 64 (FlashInfer's prefill has no 32)
     return _peaked_model(tmp_path_factory, 512)
+
+
+@pytest.fixture(scope="module")
+def peaked_qwen3_dir(tmp_path_factory):  # per-head q/k norms before rotary
+    return _peaked_model(tmp_path_factory, 256, model_type="qwen3")
 
 
 def _prompts():
@@ -170,6 +175,21 @@ def test_batch1_gemv_modes_and_pdl_match_torch_native(peaked_model_dir, dtype):
     out = [_run(peaked_model_dir, dtype, [p], attention_backend="triton", attention_merge="stage2")[0][0][0]
            for p in prompts]
     _same_greedy(ref_ids, ref_top, out, dtype, "batch 1, stage-2 merge")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_qwen3_qk_norm_in_rotary_matches_torch_native(peaked_qwen3_dir, dtype):
+    """Qwen3's per-head q/k norms run inside the rotary kernel (fused ops): the same greedy tokens as torch_native,
+    in a batch with cached prefixes and at batch 1 through each GEMV mode (none folds rotary for Qwen3)."""
+    ref, ref2, _ = _run(peaked_qwen3_dir, dtype, attention_backend="torch_native")
+    ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
+    tri, tri2, _ = _run(peaked_qwen3_dir, dtype, attention_backend="triton")
+    _same_greedy(ref_ids, ref_top, [r[0] for r in tri], dtype, "qwen3 triton batch")
+    _same_greedy(ref_ids, ref_top, tri2, dtype, "qwen3 triton batch, cached prefixes")
+    one = _prompts()[:1]
+    for mode in ("off", "fused", "fused_rope"):
+        out = _run(peaked_qwen3_dir, dtype, one, attention_backend="triton", gemv_mode=mode)[0][0][0]
+        _same_greedy(ref_ids[:1], ref_top[:1], [out], dtype, f"qwen3 batch 1, gemv {mode}")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])

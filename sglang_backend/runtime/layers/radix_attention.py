@@ -62,8 +62,10 @@ class RadixAttention(nn.Module):
         return RopeStore(rope.positions, rope.table, self.num_heads, self.num_kv_heads, self.head_dim,
                          *self._kv_store(fb))
 
-    def forward_qkv(self, qkv: torch.Tensor, rope: RopeBatch, fb, rotated: bool = False) -> torch.Tensor:
-        """qkv: [T, q_size + 2 * kv_size], the fused projection's output -> attention output [T, q_size]."""
+    def forward_qkv(self, qkv: torch.Tensor, rope: RopeBatch, fb, rotated: bool = False,
+                    qk_norm: tuple | None = None) -> torch.Tensor:
+        """qkv: [T, q_size + 2 * kv_size], the fused projection's output -> attention output [T, q_size].
+        ``qk_norm`` (fused rotary only): per-head q/k RMSNorm (q weight, k weight, eps) inside the rotary kernel."""
         if rope.table is None:  # the reference: torch rotary, the backend stores K/V
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rotary(q.reshape(-1, self.num_heads, self.head_dim), rope.cos, rope.sin).reshape(-1, self.q_size)
@@ -73,6 +75,6 @@ class RadixAttention(nn.Module):
         if not rotated:
             opts = fb.kernel_options or DEFAULT_OPTIONS
             rope_and_store_kv(qkv, rope.positions, rope.table, self.num_heads, self.num_kv_heads, self.head_dim,
-                              *(self._kv_store(fb) if store else ()), pdl=opts.pdl)
+                              *(self._kv_store(fb) if store else ()), qk_norm=qk_norm, pdl=opts.pdl)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self(q, k, v, fb, save_kv=not store)

@@ -76,8 +76,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden, rope: RopeBatch, forward_batch):
         opts = forward_batch.kernel_options
-        qkv = self.norm_qk(self.qkv_proj(hidden, opts), opts)
-        return self.o_proj(self.attn.forward_qkv(qkv, rope, forward_batch), opts)
+        return self.o_proj(self.rotate_attend(self.qkv_proj(hidden, opts), rope, forward_batch), opts)
+
+    def rotate_attend(self, qkv: torch.Tensor, rope: RopeBatch, fb, rotated: bool = False) -> torch.Tensor:
+        """q/k norms (Qwen3), rotary, KV store and attention on the fused projection's output. With the fused
+        kernels the norms run inside the rotary kernel: one launch per layer fewer at every batch size."""
+        opts = fb.kernel_options
+        if self.q_norm is not None and not rotated and rope.table is not None and opts is not None and opts.fused_ops:
+            return self.attn.forward_qkv(qkv, rope, fb, qk_norm=(self.q_norm.weight, self.k_norm.weight,
+                                                                  self.q_norm.eps))
+        return self.attn.forward_qkv(self.norm_qk(qkv, opts), rope, fb, rotated=rotated)
 
     def norm_qk(self, qkv: torch.Tensor, opts: KernelOptions | None) -> torch.Tensor:
         """The per-head q and k norms on the fused projection's output (models without them: unchanged)."""
@@ -156,8 +164,8 @@ class LlamaDecoderLayer(nn.Module):
         # Rotary in the GEMV's epilogue would come before the q/k norms: not for models that have them.
         fold_rope = opts.gemv_mode == "fused_rope" and attn.q_norm is None
         rope_store = attn.attn.rope_store(rope, fb) if fold_rope else None
-        qkv = attn.norm_qk(attn.qkv_proj.norm_gemv(residual, self.input_layernorm, opts, rope=rope_store), opts)
-        o = attn.attn.forward_qkv(qkv, rope, fb, rotated=rope_store is not None)
+        qkv = attn.qkv_proj.norm_gemv(residual, self.input_layernorm, opts, rope=rope_store)
+        o = attn.rotate_attend(qkv, rope, fb, rotated=rope_store is not None)
         attn.o_proj.add_into(residual, o.reshape(1, -1).contiguous(), opts)
         h = mlp.gate_up_proj.norm_gemv(residual, self.post_attention_layernorm, opts, silu_mul=True)
         mlp.down_proj.add_into(residual, h, opts)

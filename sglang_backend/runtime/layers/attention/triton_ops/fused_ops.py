@@ -136,11 +136,23 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
 
 # Rotary embedding + KV store ------------------------------------------------------------------------------------
 @triton.jit
-def _rope_store_kernel(QKV, Positions, CosSin, Loc, KBuf, VBuf,
+def _head_rmsnorm_halves(x1, x2, W, offs_f, mask_f, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """Per-head RMSNorm of [heads, HALF] first and second halves, rounded where _head_rmsnorm_kernel rounds (the
+    normalised value, then the weighted one, to the activations' dtype)."""
+    inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)
+    w1 = tl.load(W + offs_f, mask=mask_f, other=0.0).to(tl.float32)
+    w2 = tl.load(W + HALF + offs_f, mask=mask_f, other=0.0).to(tl.float32)
+    y1 = ((x1 * inv[:, None]).to(DTYPE).to(tl.float32) * w1[None, :]).to(DTYPE).to(tl.float32)
+    y2 = ((x2 * inv[:, None]).to(DTYPE).to(tl.float32) * w2[None, :]).to(DTYPE).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
+def _rope_store_kernel(QKV, Positions, CosSin, Loc, KBuf, VBuf, QW, KW, eps,
                        stride_qkv, stride_cs, stride_kt, stride_kh, stride_vt, stride_vh,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       STORE: tl.constexpr, PDL: tl.constexpr):
+                       STORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + t).to(tl.int64)
@@ -156,6 +168,8 @@ def _rope_store_kernel(QKV, Positions, CosSin, Loc, KBuf, VBuf,
     p1 = row + offs_h[:, None] * HEAD_DIM + offs_f[None, :]
     x1 = tl.load(p1, mask=mq, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mq, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _head_rmsnorm_halves(x1, x2, QW, offs_f, mask_f, eps, HEAD_DIM, HALF, QKV.dtype.element_ty)
     tl.store(p1, (x1 * cos[None, :] - x2 * sin[None, :]).to(QKV.dtype.element_ty), mask=mq)
     tl.store(p1 + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(QKV.dtype.element_ty), mask=mq)
 
@@ -165,6 +179,8 @@ def _rope_store_kernel(QKV, Positions, CosSin, Loc, KBuf, VBuf,
     pk = row + NUM_HEADS * HEAD_DIM + offs_kh[:, None] * HEAD_DIM + offs_f[None, :]
     k1 = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(pk + HALF, mask=mk, other=0.0).to(tl.float32)
+    if NORM:
+        k1, k2 = _head_rmsnorm_halves(k1, k2, KW, offs_f, mask_f, eps, HEAD_DIM, HALF, QKV.dtype.element_ty)
     r1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(QKV.dtype.element_ty)
     r2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(QKV.dtype.element_ty)
     tl.store(pk, r1, mask=mk)
@@ -183,10 +199,11 @@ def _rope_store_kernel(QKV, Positions, CosSin, Loc, KBuf, VBuf,
 def rope_and_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
                       num_kv_heads: int, head_dim: int, out_cache_loc: torch.Tensor | None = None,
                       k_buf: torch.Tensor | None = None, v_buf: torch.Tensor | None = None, *,
-                      pdl: bool = False) -> None:
+                      qk_norm: tuple | None = None, pdl: bool = False) -> None:
     """Rotates the q and k parts of ``qkv`` [T, (H + 2*Hkv) * D] in place with ``cos_sin`` [max_pos, D]
     (cos in the first D/2 columns, sin in the last D/2); with ``k_buf``/``v_buf`` also writes the rotated k
-    and v of token t into pool slot ``out_cache_loc[t]``."""
+    and v of token t into pool slot ``out_cache_loc[t]``. ``qk_norm`` = (q weight, k weight, eps): Qwen3's
+    per-head RMSNorm first, as ``head_rmsnorm_`` (one launch instead of two)."""
     assert qkv.dim() == 2 and qkv.stride(-1) == 1 and head_dim % 2 == 0
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
     T = qkv.shape[0]
@@ -199,13 +216,15 @@ def rope_and_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch
     else:
         k_buf = v_buf = qkv
         out_cache_loc = positions
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)
     _rope_store_kernel[(T,)](
-        qkv, positions, cos_sin, out_cache_loc, k_buf, v_buf,
+        qkv, positions, cos_sin, out_cache_loc, k_buf, v_buf, q_weight, k_weight, eps,
         qkv.stride(0), cos_sin.stride(0), k_buf.stride(0), k_buf.stride(1) if store else 0,
         v_buf.stride(0), v_buf.stride(1) if store else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), STORE=store, num_warps=4, **_pdl.launch_args(qkv, pdl),
+        BLOCK_HALF=triton.next_power_of_2(half), STORE=store, NORM=qk_norm is not None, num_warps=4,
+        **_pdl.launch_args(qkv, pdl),
     )
 
 
