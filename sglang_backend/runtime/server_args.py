@@ -83,6 +83,9 @@ class ServerArgs:
     prepare_workers: int | None = field(default=None, metadata={"help": "Threads that prepare requests (tokenizing, chat templates, images, grammar compilation); default: the CPU count, 2 to 8"})
     chat_template: str | None = field(default=None, metadata={"help": "Chat template (a Jinja file or the template text) replacing the model's own; requests cannot send templates"})
     chat_template_timeout: float = field(default=2.0, metadata={"help": "Seconds rendering one chat template may take before the request gets 400"})
+    tool_call_parser: str = field(default="auto", metadata={"help": "How the model writes tool calls: auto (from its chat template: <tool_call> is hermes, [TOOL_CALLS] mistral, <|python_tag|>/ipython llama3; a template without tools gets a Hermes tool prompt), hermes, llama3 or mistral", "choices": ("auto", "hermes", "llama3", "mistral")})
+    reasoning_parser: str = field(default="none", metadata={"help": "Separate <think>...</think> into message.reasoning_content: none, deepseek-r1 (the output starts inside the reasoning) or qwen3 (reasoning when the output opens <think>)", "choices": ("none", "deepseek-r1", "qwen3")})
+    responses_store_size: int = field(default=1024, metadata={"help": "/v1/responses: how many stored responses (store: true) the server keeps for GET /v1/responses/{id} and previous_response_id; the least recently used go first (0: none kept)"})
     allow_local_media: bool = field(default=False, metadata={"help": "Let requests name local image/video files by path (off: base64/data URLs only)"})
     header_read_timeout: float = field(default=10.0, metadata={"help": "Seconds a client has to send a request's complete headers, counted from the connection's opening or from the first byte of a next request on a kept-alive connection; then 408 and the connection is closed (slow-header clients)"})
     body_read_timeout: float = field(default=30.0, metadata={"help": "Seconds a request's whole body may take to arrive after its headers; then 408 and the connection is closed (slow-body clients). Replies, streams included, are not limited by it"})
@@ -124,6 +127,8 @@ class ServerArgs:
                 raise ValueError(f"{name} must be > 0")
         if self.chat_template_timeout <= 0:
             raise ValueError("chat_template_timeout must be > 0")
+        if self.responses_store_size < 0:
+            raise ValueError("responses_store_size must be >= 0")
         if self.grammar_compile_timeout is not None and not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be > 0 (or unset: no wall-clock limit)")
         if self.grammar_backend not in ("auto", "llguidance", "fsm"):

@@ -1,7 +1,12 @@
 """Ollama's API on the real server (embedded SmolLM2), through the real ``ollama`` client and langchain-ollama's
 ``ChatOllama``: chat, generate, streams, ``format`` (JSON and JSON schema), options, embed (equal to
-/v1/embeddings), tags, show, ps, version; bad input is a 4xx with Ollama's {"error": "..."} and the KV pool is
-whole after every test (conftest)."""
+/v1/embeddings), tags, show, ps, version, ``tools`` (calls, streamed calls, a tool round trip; ChatOllama's
+``bind_tools`` and every ``with_structured_output`` method); bad input is a 4xx with Ollama's {"error": "..."} and
+the KV pool is whole after every test (conftest).
+
+SmolLM2-135M does not choose to call a tool on its own (``tool_choice`` auto, Ollama's only mode), so the tool
+tests force the call with this server's extension option ``tool_choice`` ("required" or a tool's name), which
+Ollama itself ignores."""
 
 from __future__ import annotations
 
@@ -16,6 +21,12 @@ ollama = pytest.importorskip("ollama")
 MODEL = "smollm2:135m"  # any name is served
 GREEDY = {"temperature": 0, "num_predict": 24}
 ASK = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+ONE_CALL = {"temperature": 0, "num_predict": 48, "tool_choice": "required", "parallel_tool_calls": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"]}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture
@@ -130,7 +141,21 @@ def test_tags_show_ps_version(client, server):
     ("/api/chat", {"model": MODEL, "messages": ASK, "format": {"type": "nonsense"}}),
     ("/api/chat", {"model": MODEL, "messages": ASK, "format": 5}),
     ("/api/chat", {"model": MODEL, "messages": ASK, "think": True}),
-    ("/api/chat", {"model": MODEL, "messages": ASK, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "tools": [{"type": "function", "function": {"name": "bad name"}}]}),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "tools": "all"}),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "tools": [5]}),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "tools": [WEATHER, WEATHER]}),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": 5}}}}}]}),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "tools": [WEATHER], "format": "json"}),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "tools": [WEATHER], "options": {"tool_choice": "other"}}),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "tools": [WEATHER], "options": {"tool_choice": 5}}),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "tools": [WEATHER], "options": {"parallel_tool_calls": "yes"}}),
+    ("/api/chat", {"model": MODEL, "tools": [WEATHER], "messages": [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "unknown", "arguments": {}}}]}]}),
+    ("/api/chat", {"model": MODEL, "tools": [WEATHER], "messages": [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": 5}}]}]}),
+    ("/api/chat", {"model": MODEL, "messages": [{"role": "assistant", "content": "", "tool_calls": [5]}]}),
     ("/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}),
     ("/api/chat", {"model": MODEL, "messages": ASK, "stream": "yes"}),
     ("/api/generate", {"model": MODEL, "prompt": "hi", "template": "{{ .Prompt }}"}),
@@ -183,3 +208,94 @@ def test_chat_ollama_structured_output(chat_model):
     structured = chat_model.bind(num_predict=64).with_structured_output(City)  # method="json_schema": format=schema
     city = structured.invoke("Name a city in France.")
     assert isinstance(city, City) and city.name and city.country
+
+
+# Tools -----------------------------------------------------------------------------------------------------------
+def get_weather(city: str) -> str:
+    """The current weather of a city.
+
+    Args:
+      city: the city's name
+    """
+    return f"sunny in {city}"
+
+
+def test_chat_tool_call_streamed_and_round_trip(client):
+    r = client.chat(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], options=ONE_CALL)
+    assert r.done and r.message.content == "" and len(r.message.tool_calls) == 1
+    call = r.message.tool_calls[0].function
+    assert call.name == "get_weather" and set(call.arguments) == {"city"} and isinstance(call.arguments["city"], str)
+    parts = list(client.chat(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], options=ONE_CALL, stream=True))
+    streamed = [c.function for p in parts for c in p.message.tool_calls or []]
+    assert streamed == [call] and parts[-1].done and parts[-1].eval_count == r.eval_count
+    # A Python function as the tool (the client derives its schema), and its result sent back.
+    again = client.chat(model=MODEL, messages=ASK_WEATHER, tools=[get_weather], options=ONE_CALL)
+    assert again.message.tool_calls[0].function.name == "get_weather"
+    history = [*ASK_WEATHER, again.message,
+               {"role": "tool", "tool_name": "get_weather", "content": get_weather(**call.arguments)}]
+    answer = client.chat(model=MODEL, messages=history, tools=[get_weather], options=GREEDY)
+    assert answer.done and (answer.message.content or answer.message.tool_calls)
+
+
+def test_chat_tools_auto_answers_text_or_valid_calls(client):
+    r = client.chat(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], options=GREEDY)  # Ollama's mode: auto
+    assert r.done and (r.message.content or r.message.tool_calls)
+    for call in r.message.tool_calls or []:
+        assert call.function.name == "get_weather" and isinstance(call.function.arguments.get("city"), str)
+    none = client.chat(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], options={**GREEDY, "tool_choice": "none"})
+    assert none.message.content and not none.message.tool_calls
+    assert "tools" in client.show(MODEL).capabilities
+
+
+def test_chat_ollama_bind_tools_round_trip(chat_model):
+    # langchain-core comes with langchain-ollama, which the chat_model fixture skips without
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        return a * b
+
+    bound = chat_model.bind_tools([multiply]).bind(options=ONE_CALL)
+    question = HumanMessage("What is 3 times 12?")
+    ai = bound.invoke([question])
+    assert len(ai.tool_calls) == 1 and ai.tool_calls[0]["name"] == "multiply"
+    assert set(ai.tool_calls[0]["args"]) == {"a", "b"}
+    chunks = list(bound.stream([question]))
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged += chunk
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == [(c["name"], c["args"]) for c in ai.tool_calls]
+    result = multiply.invoke(ai.tool_calls[0])  # a ToolMessage answering the call's id
+    final = chat_model.bind_tools([multiply]).invoke([question, ai, result])
+    assert final.content or final.tool_calls
+
+
+def test_chat_ollama_structured_output_every_method(chat_model):
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+
+    # function_calling: a tool named City; the call is forced with the server's tool_choice option.
+    calling = chat_model.with_structured_output(City, method="function_calling")
+    city = calling.invoke("Name a city in France.", options={"temperature": 0, "num_predict": 64,
+                                                             "tool_choice": "City"})
+    assert isinstance(city, City) and city.name and city.country
+    # json_mode: format "json" (any JSON object; this small model fills the keys, not always with strings).
+    schema = {"title": "City", "type": "object", "properties": {"name": {"type": "string"},
+                                                                 "country": {"type": "string"}}}
+    moded = chat_model.bind(num_predict=64).with_structured_output(schema, method="json_mode")
+    obj = moded.invoke('Name a city in France as JSON: {"name": "...", "country": "..."}')
+    assert isinstance(obj, dict) and obj
+
+
+# DSPy ------------------------------------------------------------------------------------------------------------
+def test_dspy_ollama_chat_route(server):
+    """dspy 3.4's ``ollama_chat/`` provider speaks Ollama's OpenAI-compatible API at ``api_base`` (its default
+    is http://localhost:11434/v1) through its own router: no litellm involved."""
+    dspy = pytest.importorskip("dspy")
+    lm = dspy.LM("ollama_chat/smollm2", api_base=server.url + "/v1", api_key=server.api_key, temperature=0,
+                 max_tokens=16, cache=False)
+    out = lm("What is the capital of France? Answer in one word.")
+    assert len(out) == 1 and isinstance(out[0], str) and out[0]

@@ -109,7 +109,7 @@ CASES = [
     ("chat-regex-unsatisfiable", "POST", "/v1/chat/completions", chat(regex="[^\\s\\S]"), {}, 400),
     ("chat-json-schema-invalid", "POST", "/v1/chat/completions", chat(json_schema={"type": "nonsense"}), {}, 400),
     ("chat-ebnf-invalid", "POST", "/v1/chat/completions", chat(ebnf="root ::= undefined_rule"), {}, 400),
-    ("chat-tools", "POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400),
+    ("chat-tools", "POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), {}, 400),
     # --- completions
     ("comp-missing-prompt", "POST", "/v1/completions", {"model": "default", "max_tokens": 4}, {}, 400),
     ("comp-empty-string", "POST", "/v1/completions", comp(prompt=""), {}, 400),

@@ -16,7 +16,7 @@ from benchmarks.bench_hostile_latency import nested_schema
 from sglang_backend.runtime.constrained import GrammarCache, apply_jump_forward, build_regex_from_schema
 from sglang_backend.runtime.constrained import budget as grammar_budget
 from sglang_backend.runtime.constrained.budget import GrammarTooComplex
-from sglang_backend.runtime.constrained.json_schema import MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS
+from sglang_backend.runtime.constrained.json_schema import MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS, MAX_STRING_LENGTH
 from sglang_backend.runtime.constrained.llguidance_backend import LLGuidanceGrammar
 from sglang_backend.runtime.server_args import ServerArgs
 from tests.unit.test_constrained_property import REGEXES, SCHEMAS
@@ -65,6 +65,15 @@ def test_a_schema_bound_wider_than_the_default_is_kept():
     big = 10 ** 25
     regex = re.compile(build_regex_from_schema({"type": "integer", "minimum": big}))
     assert regex.fullmatch(str(big)) and regex.fullmatch(str(big * 9)) and not regex.fullmatch(str(big - 1))
+
+
+@pytest.mark.parametrize("schema, longest", [({"type": "string"}, MAX_STRING_LENGTH),
+                                            ({"type": "string", "minLength": 2}, MAX_STRING_LENGTH),
+                                            ({"type": "string", "minLength": 600}, 600),
+                                            ({"type": "string", "maxLength": 2000}, 2000)])
+def test_strings_without_max_length_get_the_default_cap(schema, longest):
+    regex = re.compile(build_regex_from_schema(schema))
+    assert regex.fullmatch('"' + "é" * longest + '"') and not regex.fullmatch('"' + "é" * (longest + 1) + '"')
 
 
 def test_the_compiled_grammar_refuses_the_twentieth_digit(cache, tokenizer):

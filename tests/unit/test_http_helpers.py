@@ -14,8 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from sglang_backend.runtime.entrypoints import (errors, http_server, native_api, ollama_api, openai_chat, openai_common,
-                                                openai_completions, openai_embeddings, operations, request_parsing,
-                                                streaming)
+                                                openai_completions, openai_embeddings, openai_responses, operations,
+                                                request_parsing, streaming)
 from sglang_backend.runtime.entrypoints.app_context import AppContext, served_model_name, served_model_names
 from sglang_backend.runtime.entrypoints.errors import APIError
 from sglang_backend.runtime.entrypoints.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -484,6 +484,7 @@ def test_middleware_checks():
 def test_each_api_family_registers_its_routes():
     expected = {native_api: {"/generate"}, openai_chat: {"/v1/chat/completions"},
                 openai_completions: {"/v1/completions"}, openai_embeddings: {"/v1/embeddings"},
+                openai_responses: {"/v1/responses", "/v1/responses/{response_id}"},
                 ollama_api: {"/", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show",
                              "/api/tags", "/api/ps", "/api/version"},
                 operations: {"/tokenize", "/v1/models", "/health", "/health_generate", "/model_info", "/get_model_info",

@@ -107,6 +107,58 @@ def test_forced_text_and_advance_text(cache):
         cache.compile("ebnf", 'root ::= "a" "b"').matcher().advance_text("ax")
 
 
+def test_masks_computed_on_the_mask_thread_equal_masks_computed_in_fill_mask(cache):
+    """Each advance starts the next mask on the mask thread; fill_mask must add exactly the mask it would have
+    computed itself, forks share it, and the cheap queries answer without waiting."""
+    import random
+
+    import torch
+
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}'
+    grammar = cache.compile("json_schema", schema)
+    rng = random.Random(0)
+    eos = cache.tokenizer.eos_token_id
+    fast, slow = grammar.matcher(), grammar.matcher()
+    for _ in range(30):
+        grammar.prefetch = False
+        try:
+            ref = torch.zeros(cache.vocab_size)
+            slow.fill_mask(ref)
+            slow_ids = slow.allowed_token_ids()
+        finally:
+            grammar.prefetch = True
+        row, fork_row = torch.zeros(cache.vocab_size), torch.zeros(cache.vocab_size)
+        fork = fast.copy()
+        fast.fill_mask(row)
+        fork.fill_mask(fork_row)
+        assert torch.equal(row, ref) and torch.equal(fork_row, ref)
+        assert fast.allowed_token_ids() == slow_ids
+        assert (fast.forced_string(), fast.is_finished(), fast.is_accepting()) == \
+            (slow.forced_string(), slow.is_finished(), slow.is_accepting())
+        if fast.is_finished():
+            break
+        tok = rng.choice([t for t in slow_ids if t != eos] or [eos])
+        fast.advance(tok)
+        slow.advance(tok)
+
+
+def test_a_budget_error_on_the_mask_thread_is_raised_by_fill_mask(cache, monkeypatch):
+    import torch
+
+    from sglang_backend.runtime.constrained import GrammarTooComplex
+    from sglang_backend.runtime.constrained.llguidance_backend import LLGuidanceMatcher
+
+    m = cache.compile("ebnf", GBNF).matcher()
+
+    def over_budget(self):
+        raise GrammarTooComplex("grammar too complex: step fuel")
+
+    monkeypatch.setattr(LLGuidanceMatcher, "_compute_step_mask", over_budget)
+    m.advance(cache.tokenizer.convert_tokens_to_ids("("))
+    with pytest.raises(GrammarTooComplex, match="step fuel"):
+        m.fill_mask(torch.zeros(cache.vocab_size))
+
+
 @pytest.mark.parametrize("spec, match", [("root ::= undefined_rule", "invalid ebnf grammar"),
                                          ("start: /[/", "invalid ebnf grammar"),
                                          ("", "non-empty")])

@@ -409,13 +409,15 @@ class GrammarCache:
     def _compile_uncached(self, kind: str, spec: str):
         if kind == "ebnf":
             return self._llguidance_compiler(required=True).compile(spec)
-        regex = spec if kind == "regex" else build_regex_from_schema(spec, self.whitespace)
         compiler = self._llguidance_compiler(required=False)
         if compiler is not None:
+            regex = spec if kind == "regex" else build_regex_from_schema(spec, self.whitespace)
             try:
                 return compiler.compile_regex(kind, spec, regex)
             except UnsupportedByLLGuidance:
                 pass  # syntax only our engine parses (look-arounds): compile it there
+        # Our DFA engine: strings without maxLength stay uncapped (json_schema's docstring: the cap's DFA states).
+        regex = spec if kind == "regex" else build_regex_from_schema(spec, self.whitespace, max_string_length=None)
         dfa, index = self.index_cache.get(regex)
         return CompiledGrammar(kind, spec, regex, dfa, index, self.vocab, self.eos_token_ids)
 

@@ -30,8 +30,13 @@ model can write digits until ``max_tokens`` (one emitted 170-digit integers). De
 ``MAX_INTEGER_DIGITS`` = 19 digits in an integer (or a number's integer part; int64 needs 19), at most
 ``MAX_FRACTION_DIGITS`` = 16 after the point (float64 carries 15-17 significant digits) and
 ``MAX_EXPONENT_DIGITS`` = 3 in an exponent (float64's reaches 308). A schema's own ``minimum``/``maximum``
-replaces the integer-part bound on that side (a bound wider than 19 digits widens it); strings keep no bound
-but ``maxLength`` (``max_tokens`` caps them).
+replaces the integer-part bound on that side (a bound wider than 19 digits widens it). A string schema
+without ``maxLength`` gets at most ``MAX_STRING_LENGTH`` = 512 characters (a ``minLength`` above it is kept
+as the bound), so an object of bounded fields has a longest form and a ``max_tokens`` that fits it always
+ends in ``stop`` (``tests/integration/test_structured_parse.py``). Our own DFA engine compiles schemas
+without that cap (``max_string_length=None``: a counted repeat multiplies its DFA states, 9 s instead of 1 s
+for the bench schema); llguidance, the default engine, takes it in its stride. Arrays keep no default bound
+(a counted repeat of a whole item): ``maxItems`` bounds them.
 
 Limits (sound, not complete): ``uniqueItems``, ``multipleOf``, ``not``, ``if``/``then``/``else``,
 ``patternProperties`` and ``dependencies`` are not enforced (``ValueError`` for the ones that would make
@@ -56,7 +61,7 @@ from interegular import patterns as P
 from . import budget as _budget
 from .regex_fsm import _preprocess
 
-__all__ = ["build_regex_from_schema", "schema_from_pydantic", "STRING_CHAR", "WHITESPACE_DEFAULT"]
+__all__ = ["build_regex_from_schema", "schema_from_pydantic", "MAX_STRING_LENGTH", "STRING_CHAR", "WHITESPACE_DEFAULT"]
 
 WHITESPACE_DEFAULT = "default"
 
@@ -66,6 +71,7 @@ STRING_CHAR = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
                r'|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))')
 STRING = r'"' + STRING_CHAR + r'*"'
 MAX_INTEGER_DIGITS = 19
+MAX_STRING_LENGTH = 512
 MAX_FRACTION_DIGITS = 16
 MAX_EXPONENT_DIGITS = 3
 _FRACTION = rf"(?:\.[0-9]{{1,{MAX_FRACTION_DIGITS}}})?"
@@ -337,6 +343,7 @@ class _Converter:
             self.item_sep, self.key_sep, self.ws = ",", ":", f"(?:{whitespace})"
         self.max_recursion_depth = max_recursion_depth
         self.max_nesting_depth = max_nesting_depth
+        self.max_string_length: int | None = MAX_STRING_LENGTH
         self.ref_stack: list[str] = []
 
     # -- separators and literals -------------------------------------------------------------
@@ -543,11 +550,11 @@ class _Converter:
         fmt = schema.get("format")
         if fmt in FORMATS:
             return f'"{FORMATS[fmt]}"'
+        if max_len is None and self.max_string_length is not None:  # the default cap (module docstring)
+            max_len = max(min_len, self.max_string_length)
         if max_len is None:
-            rep = "*" if min_len == 0 else f"{{{min_len},}}"
-        else:
-            rep = f"{{{min_len},{max_len}}}"
-        return f'"{STRING_CHAR}{rep}"'
+            return f'"{STRING_CHAR}*"' if min_len == 0 else f'"{STRING_CHAR}{{{min_len},}}"'
+        return f'"{STRING_CHAR}{{{min_len},{max_len}}}"'
 
     @staticmethod
     def _bounds(schema: dict) -> tuple[float | None, float | None, bool, bool]:
@@ -728,9 +735,10 @@ def _check_schema(schema: Any) -> None:
         raise ValueError(f"invalid schema: {e.message}" + (f" (at {path})" if path else "")) from None
 
 
-def build_regex_from_schema(schema: Any, whitespace: str = WHITESPACE_DEFAULT, *,
-                            max_recursion_depth: int = 3, max_nesting_depth: int = 2) -> str:
-    """Regex for JSON documents valid under ``schema``.
+def build_regex_from_schema(schema: Any, whitespace: str = WHITESPACE_DEFAULT, *, max_recursion_depth: int = 3,
+                            max_nesting_depth: int = 2, max_string_length: int | None = MAX_STRING_LENGTH) -> str:
+    """Regex for JSON documents valid under ``schema`` (``max_string_length``: the default cap of strings
+    without ``maxLength``, None for none).
 
     ``schema`` may be a dict, a JSON string, or a pydantic model class. Raises ``ValueError`` for
     invalid or unsatisfiable schemas and for keywords we cannot honour, and ``budget.GrammarTooComplex`` (also a
@@ -747,6 +755,7 @@ def build_regex_from_schema(schema: Any, whitespace: str = WHITESPACE_DEFAULT, *
         raise ValueError(f"invalid schema: expected a JSON object, got {type(schema).__name__}")
     _check_schema(schema)
     conv = _Converter(schema, whitespace, max_recursion_depth, max_nesting_depth)
+    conv.max_string_length = max_string_length
     with _budget.active(_budget.GrammarBudget()):  # the caller's budget if one is active, else the default one
         regex = conv.visit(schema)
     if regex is None:

@@ -17,14 +17,19 @@ when the grammar is built, ``step_fuel`` per token mask, ``max_states`` lexer st
 The scheduler drives a matcher exactly like ``GrammarMatcher``: ``fill_mask`` before sampling, ``advance``
 after, ``is_finished`` to end, ``forced_string`` + ``advance_text`` for jump-forward (llguidance's
 ``compute_ff_bytes`` is the forced text; re-tokenization stays ``grammar.retokenize_jump_forward``'s).
-``fill_mask`` adds a cached 0/-inf row keyed by the mask's bytes (masks repeat: every step inside a string
-has the same one). llguidance is optional: without it regex and JSON schemas stay on our engine and an
-``ebnf`` request is a clear ``ValueError`` (a 400 on the server).
+Masks are computed off the critical path: each transition starts the next mask on one background thread
+(``_MaskThread``; llguidance drops the GIL while it walks the token trie), overlapping the model's forward as
+upstream SGLang does, and ``fill_mask`` only adds the 0/-inf row, cached by the mask's bytes (masks repeat:
+every step inside a string has the same one). ``benchmarks/bench_grammar.py`` reports both sides: the row
+add on the critical path and the mask computation moved off it. llguidance is optional: without it regex and
+JSON schemas stay on our engine and an ``ebnf`` request is a clear ``ValueError`` (a 400 on the server).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import queue
 import re
 import threading
 
@@ -165,36 +170,40 @@ class LLGuidanceCompiler:
             raise _grammar_error(error, prefix)
         return LLGuidanceGrammar(spec, grammar, self, kind, limits, prefix)
 
-    def _build_additive_mask(self, mask_bytes: bytes | None, device: str, dtype: torch.dtype) -> torch.Tensor:
-        """The 0/-inf row for llguidance's mask ``mask_bytes`` (None: EOS only); ``additive_mask`` caches it."""
+    def _build_additive_mask(self, key: bytes | None, device: str, dtype: torch.dtype) -> torch.Tensor:
+        """The 0/-inf row for the mask ``key`` (``mask_key``'s; None: EOS only); ``additive_mask`` caches it."""
         # One gather through a byte -> 8 biases table (a fraction of unpacking bits and masked_fill).
-        row = torch.from_numpy(_BYTE_TO_BIASES[self._mask_array(mask_bytes)].reshape(-1)[:self.vocab_size])
+        packed = torch.from_numpy(self._packed(key).astype(np.int64))
+        row = _BYTE_TO_BIASES.index_select(0, packed).view(-1)[:self.vocab_size]
         return row.to(device=device, dtype=dtype)
 
-    def allowed(self, mask_bytes: bytes | None) -> torch.Tensor:
-        """Boolean [vocab_size] from llguidance's mask bytes."""
-        words = self._mask_array(mask_bytes)
-        return torch.from_numpy(np.unpackbits(words, bitorder="little", count=self.vocab_size).astype(bool))
+    def allowed(self, key: bytes | None) -> torch.Tensor:
+        """Boolean [vocab_size] from the mask ``key`` (``mask_key``'s; None: EOS only)."""
+        return torch.from_numpy(np.unpackbits(self._packed(key), bitorder="little", count=self.vocab_size).astype(bool))
 
-    def _mask_array(self, mask_bytes: bytes | None) -> np.ndarray:
-        """The packed mask (little-endian bits) with every EOS id allowed where the grammar may end (llguidance
-        knows one EOS id; the model may have several); None: EOS only."""
-        if mask_bytes is None:
-            return self._eos_words
+    def mask_key(self, mask_bytes: bytes | None) -> bytes | None:
+        """llguidance's packed mask (little-endian bits) with every EOS id allowed where the grammar may end
+        (llguidance knows one EOS id; the model may have several); None stays None (EOS only)."""
+        if mask_bytes is None or self.eos_token_ids == {self.primary_eos}:
+            return mask_bytes
+        if not mask_bytes[self.primary_eos >> 3] >> (self.primary_eos & 7) & 1:
+            return mask_bytes
         words = np.frombuffer(mask_bytes, dtype=np.uint8)
         if len(words) != len(self._eos_words):  # llguidance's masks carry a spare 32-bit word
             padded = np.zeros(len(words), dtype=np.uint8)
             n = min(len(words), len(self._eos_words))
             padded[:n] = self._eos_words[:n]
             self._eos_words = padded
-        if words[self.primary_eos >> 3] >> (self.primary_eos & 7) & 1:
-            words = words | self._eos_words
-        return words
+        return (words | self._eos_words).tobytes()
+
+    def _packed(self, key: bytes | None) -> np.ndarray:
+        return self._eos_words if key is None else np.frombuffer(key, dtype=np.uint8)
 
 
 # _BYTE_TO_BIASES[b] = the 8 additive biases (0 allowed / -inf not) of the 8 tokens whose bits byte b packs.
-_BYTE_TO_BIASES = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
-                           np.float32(0), np.float32("-inf")).astype(np.float32)
+_BYTE_TO_BIASES = torch.from_numpy(
+    np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
+             np.float32(0), np.float32("-inf")).astype(np.float32))
 
 
 class LLGuidanceGrammar:
@@ -215,6 +224,7 @@ class LLGuidanceGrammar:
         self.limits = limits
         self.vocab_size = compiler.vocab_size
         self.eos_token_ids = compiler.eos_token_ids
+        self.prefetch = True  # matchers compute each next mask on the mask thread (LLGuidanceMatcher)
         self._prototype = llguidance.LLMatcher(compiler.ll_tokenizer, grammar, log_level=0, limits=limits)
         if self._prototype.is_error():  # e.g. the lexer fuel ran out: before decoding, a clear error
             raise _grammar_error(self._prototype.get_error(), error_prefix)
@@ -225,18 +235,100 @@ class LLGuidanceGrammar:
             return LLGuidanceMatcher(self, self._prototype.deep_copy())
 
 
-class LLGuidanceMatcher:
-    """Per-request parse state (not thread-safe; ``copy()`` for forks)."""
+class _StepMask:
+    """One step's mask, computed on the mask thread: llguidance's packed words as bytes (every EOS id added where
+    the grammar may end; None: EOS only) and their 0/-inf row on the CPU in float32 (shared, read-only)."""
 
-    __slots__ = ("grammar", "matcher", "terminated", "num_tokens")
+    __slots__ = ("key", "bias")
+
+    def __init__(self, key: bytes | None, bias: torch.Tensor):
+        self.key = key
+        self.bias = bias
+
+
+class _MaskThread:
+    """One daemon thread computing matchers' next masks in submission order. A matcher's ``_busy`` lock is held
+    from ``submit`` until its mask (or the error computing it) is in ``_next``: waiting is acquiring it (a plain
+    lock and a C queue: a few microseconds on the submitting side, where an executor's futures cost ~20)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="llguidance-mask", daemon=True).start()
+
+    def submit(self, matcher: "LLGuidanceMatcher") -> None:
+        matcher._busy.acquire()
+        self._queue.put(matcher)
+
+    def _run(self) -> None:
+        while True:
+            matcher = self._queue.get()
+            try:
+                matcher._next = matcher._compute_step_mask()
+            except BaseException as e:  # noqa: BLE001 - handed to fill_mask, which raises it in the scheduler
+                matcher._next = e
+            finally:
+                matcher._busy.release()
+
+
+@functools.lru_cache(maxsize=1)
+def _mask_thread() -> _MaskThread:
+    return _MaskThread()
+
+
+os.register_at_fork(after_in_child=_mask_thread.cache_clear)  # a forked child starts its own thread when it needs one
+
+
+class LLGuidanceMatcher:
+    """Per-request parse state (not thread-safe; ``copy()`` for forks).
+
+    Each state change (``advance``, ``advance_text``) reads the cheap answers at once (stopped, accepting, the
+    forced bytes) and starts the next mask on a background thread (llguidance drops the GIL while it walks the
+    token trie; the 0/-inf row is built or found there too), so it overlaps the model's forward pass, as upstream
+    SGLang overlaps its grammar masks with the GPU. ``fill_mask`` waits for that mask (done by then unless the
+    forward was shorter than the mask) and adds its row: one vectorised add on the scheduler's critical path.
+    The llguidance matcher is touched by one thread at a time: everything that reads it waits for the pending
+    mask first. ``grammar.prefetch = False`` computes the mask inside ``fill_mask`` instead."""
+
+    __slots__ = ("grammar", "matcher", "terminated", "num_tokens", "_busy", "_next", "_stopped", "_accepting", "_ff")
 
     def __init__(self, grammar: LLGuidanceGrammar, matcher):
         self.grammar = grammar
         self.matcher = matcher
         self.terminated = False
         self.num_tokens = 0
+        self._busy = threading.Lock()  # held while the mask thread computes this matcher's next mask
+        self._next: _StepMask | BaseException | None = None  # that mask (None: compute it when asked)
+        self._state_changed()
 
     # -- masks -------------------------------------------------------------------------------------
+    def _state_changed(self) -> None:
+        """After a transition: the cheap queries now, the next mask started on the mask thread."""
+        m = self.matcher
+        self._stopped = self.terminated or m.is_stopped()
+        self._accepting = self.terminated or m.is_accepting()
+        self._ff = b"" if self._stopped else m.compute_ff_bytes()
+        self._next = None
+        if self.grammar.prefetch and not self._stopped:
+            _mask_thread().submit(self)
+
+    def _sync(self) -> None:
+        """Wait for the mask being computed (its error, if any, is kept for ``fill_mask``)."""
+        with self._busy:
+            pass
+
+    def _compute_step_mask(self) -> _StepMask:
+        key = self.grammar.compiler.mask_key(self._mask_bytes())
+        return _StepMask(key, self.grammar.compiler.additive_mask(key, "cpu", torch.float32))
+
+    def _step_mask(self) -> _StepMask:
+        self._sync()
+        step = self._next
+        if step is None:
+            step = self._next = self._compute_step_mask()
+        elif isinstance(step, BaseException):
+            raise step
+        return step
+
     def _mask_bytes(self) -> bytes | None:
         """llguidance's packed mask for this step (None once only EOS may follow: terminated, or a failed matcher,
         e.g. an empty language). A matcher past a budget (a step's fuel, a lexer limit) raises
@@ -254,14 +346,20 @@ class LLGuidanceMatcher:
 
     def allowed_mask(self, device=None) -> torch.Tensor:
         """Boolean [vocab_size]: True where the token is allowed."""
-        out = self.grammar.compiler.allowed(self._mask_bytes())
+        out = self.grammar.compiler.allowed(self._step_mask().key)
         return out if device is None else out.to(device)
 
     def fill_mask(self, logits_row: torch.Tensor) -> None:
         """Set the logits of disallowed tokens to -inf, in place (extra columns past the vocab too)."""
-        bias = self.grammar.compiler.additive_mask(self._mask_bytes(), str(logits_row.device), logits_row.dtype)
+        step = self._step_mask()
+        bias = step.bias
+        if logits_row.device.type != "cpu" or logits_row.dtype != torch.float32:
+            bias = self.grammar.compiler.additive_mask(step.key, str(logits_row.device), logits_row.dtype)
         v = bias.shape[0]
         width = logits_row.shape[-1]
+        if width == v:  # no slicing on the common path (two views cost more than the add)
+            logits_row.add_(bias)
+            return
         if width > v:
             logits_row[..., v:] = float("-inf")
         n = min(width, v)
@@ -280,12 +378,17 @@ class LLGuidanceMatcher:
         if self.terminated:
             raise ValueError(f"grammar already terminated; got token {token_id}")
         if token_id in self.grammar.eos_token_ids:
-            if not self.matcher.is_accepting():
+            if not self._accepting:
                 raise ValueError(f"EOS token {token_id} before the grammar is complete")
+            self._sync()
             self.terminated = True
             self.num_tokens += 1
+            self._state_changed()
             return
-        if not self.matcher.consume_token(token_id):  # past a budget: GrammarTooComplex (a 400), else a ValueError
+        self._sync()
+        ok = self.matcher.consume_token(token_id)
+        self._state_changed()
+        if not ok:  # past a budget: GrammarTooComplex (a 400), else a ValueError
             raise _grammar_error(self.matcher.get_error(), f"token {token_id} is not allowed by the grammar: ")
         self.num_tokens += 1
 
@@ -298,27 +401,31 @@ class LLGuidanceMatcher:
         if self.terminated:
             raise ValueError("grammar already terminated")
         ids = self.grammar.compiler.ll_tokenizer.tokenize_bytes(data)
-        if not self.matcher.consume_tokens(ids):
+        self._sync()
+        ok = self.matcher.consume_tokens(ids)
+        self._state_changed()
+        if not ok:
             raise ValueError(f"text {data[:60]!r} is not allowed by the grammar: {self.matcher.get_error()}")
 
     # -- queries -----------------------------------------------------------------------------------
     def is_accepting(self) -> bool:
-        return self.terminated or self.matcher.is_accepting()
+        return self._accepting
 
     def is_finished(self) -> bool:
         """Terminated by EOS, or nothing but EOS can follow (complete, or the parse failed)."""
-        return self.terminated or self.matcher.is_stopped()
+        return self._stopped
 
     def forced_string(self) -> str:
         """Jump-forward text: the bytes every continuation starts with, cut to whole characters."""
-        if self.terminated or self.matcher.is_stopped():
-            return ""
-        return _whole_chars(self.matcher.compute_ff_bytes())
+        return _whole_chars(self._ff)
 
     def copy(self) -> "LLGuidanceMatcher":
-        m = LLGuidanceMatcher(self.grammar, self.matcher.deep_copy())
-        m.terminated = self.terminated
-        m.num_tokens = self.num_tokens
+        """A fork in the same state; it shares this step's mask (read-only)."""
+        self._sync()
+        m = LLGuidanceMatcher.__new__(LLGuidanceMatcher)
+        m.grammar, m.matcher, m._busy = self.grammar, self.matcher.deep_copy(), threading.Lock()
+        m.terminated, m.num_tokens = self.terminated, self.num_tokens
+        m._next, m._stopped, m._accepting, m._ff = self._next, self._stopped, self._accepting, self._ff
         return m
 
     def __repr__(self) -> str:

@@ -33,7 +33,7 @@ from fastapi import FastAPI
 
 from ...utils import die_with_parent_if_requested
 from ..managers.tokenizer_manager import TokenizerManager
-from . import native_api, ollama_api, openai_chat, openai_completions, openai_embeddings, operations
+from . import native_api, ollama_api, openai_chat, openai_completions, openai_embeddings, openai_responses, operations
 from .app_context import AppContext
 from .connection_guard import DrainingMiddleware, guarded_h11_protocol
 from .errors import RETRY_AFTER_S, APIError, install_error_handlers
@@ -55,6 +55,7 @@ API_FAMILIES = (
     openai_chat,  # /v1/chat/completions
     openai_completions,  # /v1/completions
     openai_embeddings,  # /v1/embeddings
+    openai_responses,  # /v1/responses, GET / DELETE /v1/responses/{id}
     ollama_api,  # /api/chat, /api/generate, /api/embed, /api/tags, /api/show, ... (Ollama's API)
     operations,  # /tokenize, /v1/models, health, info, load, stats, flush_cache, abort, metrics
 )

@@ -3,10 +3,18 @@
 /api/tags, /api/show, /api/ps, /api/version, and ``GET /`` ("Ollama is running").
 
 Any model name is served (the one model answers). ``format`` ("json" or a JSON schema) runs on the same JSON-schema
-constraint as the OpenAI routes' ``response_format``; ``options`` maps temperature, top_p, top_k, min_p, seed,
+constraint as the OpenAI routes' ``response_format``. ``options`` maps temperature, top_p, top_k, min_p, seed,
 num_predict (absent or negative: up to the context length, as Ollama), stop, presence/frequency_penalty and
 repeat_penalty, and ignores the others (num_ctx, num_gpu, mirostat, ...) as Ollama does. Errors are Ollama's
 {"error": "message"} with the status the other routes give the same failure (bad input: 4xx).
+
+/api/chat's ``tools`` run through the chat-completions route's machinery (``openai_chat.prepare_chat``: the template
+or the Hermes tool prompt, the call grammar of ``tool_calls``, its parsers): a reply's ``message.tool_calls`` is
+Ollama's [{"function": {"name", "arguments": {...}}}], streamed as each call completes; assistant ``tool_calls`` and
+``tool`` messages in the history are rendered as the model expects them. Ollama lets the model decide (OpenAI's
+``auto``); this server's extension options ``tool_choice`` and ``parallel_tool_calls`` (Ollama ignores unknown
+options) can force a call. ``format`` and ``tools`` together are refused. With ``--reasoning-parser`` the reasoning
+comes in ``message.thinking``.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from .errors import APIError, response_for
 from .execution import off_loop, prepare_all, render_chat_prompt, run_all, run_embeddings
 from .ollama_protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaGenerateRequest,
                               OllamaShowRequest)
+from .openai_chat import ChatOutput, ChatTools, DeltaReader, prepare_chat
 from .openai_common import without_stop_token
-from .request_parsing import check_count, json_body, read_model
+from .openai_protocol import ChatCompletionRequest
+from .request_parsing import check_count, json_body, parse, read_model
 from .streaming import ndjson_response
 
 # The Ollama API version reported by /api/version: the one whose request and response shapes this module follows
@@ -78,8 +88,9 @@ def format_schema(fmt) -> str | None:
     raise APIError(f'format must be "json" or a JSON schema object, got {fmt!r}'[:300], param="format")
 
 
-def sampling_params(req, prompt_len: int, context_len: int) -> dict:
-    """Our sampling parameters from the request's ``options`` (others ignored) and ``format``."""
+def sampling_params(req, prompt_len: int, context_len: int, tool_params: dict | None = None) -> dict:
+    """Our sampling parameters from the request's ``options`` (others ignored) and ``format``, or the tool-call
+    grammar (``tool_params``: ``ChatTools.sampling_params``) when tools are offered."""
     options = req.options or {}
     sp = {ours: options[theirs] for theirs, ours in OPTION_FIELDS if options.get(theirs) is not None}
     num_predict = options.get("num_predict")
@@ -88,23 +99,25 @@ def sampling_params(req, prompt_len: int, context_len: int) -> dict:
     room = max(context_len - prompt_len, 0)
     sp["max_new_tokens"] = room if num_predict is None or num_predict < 0 else min(num_predict, room)
     schema = format_schema(req.format)
+    if schema is not None and tool_params:
+        raise APIError("format and tools cannot be combined: the output is either tool calls or the format's JSON",
+                       param="format")
     if schema is not None:
         sp["json_schema"] = schema
-    return sp
+    return {**sp, **(tool_params or {})}
 
 
-def check_generation_request(req) -> None:
+def check_generation_request(req, reasoning_parser: str = "none") -> None:
     """Features of Ollama's API this server does not offer: refused with a clear 400, never silently ignored."""
-    if getattr(req, "tools", None):
-        raise APIError("tool calling is not supported by this server yet", param="tools")
-    if req.think not in (None, False):
-        raise APIError("this model does not support thinking", param="think")
+    if req.think not in (None, False) and (reasoning_parser == "none" or not isinstance(req, OllamaChatRequest)):
+        raise APIError("thinking needs /api/chat on a server started with --reasoning-parser", param="think")
     if req.logprobs:
         raise APIError("logprobs are not supported on the Ollama API of this server", param="logprobs")
 
 
-def chat_messages(req: OllamaChatRequest) -> list[dict]:
-    """The conversation as the chat template takes it."""
+def chat_request(req: OllamaChatRequest) -> ChatCompletionRequest:
+    """/api/chat's conversation and tools as a chat-completions request (what ``openai_chat.prepare_chat`` renders:
+    the template, the tools, calls and tool results in the history)."""
     messages = []
     for m in req.messages:
         if m.images:
@@ -114,8 +127,29 @@ def chat_messages(req: OllamaChatRequest) -> list[dict]:
             msg["tool_calls"] = m.tool_calls
         if m.tool_name:
             msg["name"] = m.tool_name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
-    return messages
+    return parse(ChatCompletionRequest, {"messages": messages, **tool_fields(req)})
+
+
+def tool_fields(req: OllamaChatRequest) -> dict:
+    """``tools``, and this server's extension options ``tool_choice`` (auto, none, required, or a tool's name;
+    Ollama itself has none: the model decides) and ``parallel_tool_calls``, as chat-completions fields."""
+    if not req.tools:
+        return {}
+    options = req.options or {}
+    choice = options.get("tool_choice")
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    fields = {"tools": req.tools, "tool_choice": choice, "parallel_tool_calls": options.get("parallel_tool_calls")}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def chat_prompt(ctx: AppContext, req: ChatCompletionRequest) -> tuple[list[int], ChatTools, dict]:
+    """A preparation job: (prompt ids, the request's tools, their sampling params)."""
+    prompt, tools, tool_params = prepare_chat(ctx, req, [])
+    return tokenize_prompt(ctx, prompt, False), tools, tool_params
 
 
 def generate_prompt(ctx: AppContext, req: OllamaGenerateRequest) -> list[int]:
@@ -161,30 +195,33 @@ def done_fields(out: dict, started: float, first_token_at: float | None) -> dict
             "eval_duration": nanoseconds(total - prompt_eval)}
 
 
-async def streamed_replies(ctx: AppContext, gi, model: str, body: Callable[[str], dict],
+async def streamed_replies(ctx: AppContext, gi, model: str, body: Callable[[str, bool], dict],
                            final: Callable[[dict], dict], started: float) -> AsyncIterator[dict]:
-    """One reply per output: its new text in ``body``; the last one with ``final``'s fields, counts and timings."""
+    """One reply per output: its new text in ``body`` (told whether it is the last); the last one with ``final``'s
+    fields, counts and timings."""
     first_token_at = None
     async for out in ctx.tm.generate(gi):
         if first_token_at is None and out["output_ids"]:
             first_token_at = time.monotonic()
-        reply = {"model": model, "created_at": timestamp(), **body(out["text"])}
-        if out["meta_info"].get("finish_reason") is None:
+        last = out["meta_info"].get("finish_reason") is not None
+        reply = {"model": model, "created_at": timestamp(), **body(out["text"], last)}
+        if not last:
             yield {**reply, "done": False}
         else:
             yield {**reply, **final(out), **done_fields(out, started, first_token_at)}
 
 
 async def generation_reply(ctx: AppContext, request: Request, req, prompt_ids: list[int], started: float,
-                           body: Callable[[str], dict], final: Callable[[dict], dict] = lambda out: {}):
+                           body: Callable[[str, bool], dict], final: Callable[[dict], dict] = lambda out: {},
+                           tool_params: dict | None = None):
     """Runs the generation: an NDJSON stream of replies, or one reply (``stream: false``)."""
-    sp = sampling_params(req, len(prompt_ids), ctx.tm.limits.context_len)
+    sp = sampling_params(req, len(prompt_ids), ctx.tm.limits.context_len, tool_params)
     gi = (await prepare_all(ctx, request, [dict(input_ids=prompt_ids, sampling_params=sp, stream=req.stream)]))[0]
     model = ctx.response_model(req.model)
     if req.stream:
         return ndjson_response(streamed_replies(ctx, gi, model, body, final, started))
     out = (await run_all(ctx, request, [gi]))[0]
-    return {"model": model, "created_at": timestamp(), **body(out["text"]), **final(out),
+    return {"model": model, "created_at": timestamp(), **body(out["text"], True), **final(out),
             **done_fields(out, started, None)}
 
 
@@ -198,13 +235,41 @@ def assistant_message(text: str) -> dict:
     return {"message": {"role": "assistant", "content": text}}
 
 
+def ollama_tool_call(call: dict, index: int) -> dict:
+    """An OpenAI-shaped call as Ollama sends it: arguments as an object."""
+    fn = call["function"]
+    arguments = json.loads(fn["arguments"])
+    return {"id": call["id"], "function": {"index": index, "name": fn["name"], "arguments": arguments}}
+
+
+class ChatMessages:
+    """/api/chat's message in each reply: the new text as the chat route's reader splits it (``DeltaReader``): the
+    content, the reasoning (Ollama's ``thinking``, with ``--reasoning-parser``) and the tool calls completed by
+    then (Ollama sends whole calls, not argument fragments)."""
+
+    def __init__(self, output: ChatOutput):
+        self.reader = DeltaReader(output)
+        self.sent = 0  # calls already sent
+
+    def __call__(self, text: str, last: bool) -> dict:
+        delta = self.reader(text, last)
+        msg: dict = {"role": "assistant", "content": delta.get("content", "")}
+        if delta.get("reasoning_content"):
+            msg["thinking"] = delta["reasoning_content"]
+        calls = self.reader.tools.calls if self.reader.tools is not None else []
+        if len(calls) > self.sent:
+            msg["tool_calls"] = [ollama_tool_call(c, i) for i, c in enumerate(calls[self.sent:], self.sent)]
+            self.sent = len(calls)
+        return {"message": msg}
+
+
 # Routes -------------------------------------------------------------------------------------------------------------
 async def read_generation(request: Request, model_cls):
     """(when it arrived, the app's context, the request): /api/chat's or /api/generate's body, read and checked."""
-    started = time.monotonic()
+    started, ctx = time.monotonic(), get_context(request)
     req = await read_model(request, model_cls)
-    check_generation_request(req)
-    return started, get_context(request), req
+    check_generation_request(req, getattr(ctx.server_args, "reasoning_parser", "none"))
+    return started, ctx, req
 
 
 @ollama_errors
@@ -212,10 +277,10 @@ async def chat(request: Request):
     started, ctx, req = await read_generation(request, OllamaChatRequest)
     if not req.messages:
         return loaded_reply(ctx, req, assistant_message(""))
-    messages = chat_messages(req)
-    ids = await off_loop(ctx, request, lambda _cancel: tokenize_prompt(
-        ctx, render_chat_prompt(ctx, messages, add_generation_prompt=True), False))
-    return await generation_reply(ctx, request, req, ids, started, assistant_message)
+    as_chat = chat_request(req)
+    ids, tools, tool_params = await off_loop(ctx, request, lambda _cancel: chat_prompt(ctx, as_chat))
+    body = ChatMessages(ChatOutput.of(ctx, as_chat, tools))
+    return await generation_reply(ctx, request, req, ids, started, body, tool_params=tool_params)
 
 
 @ollama_errors
@@ -224,7 +289,7 @@ async def generate(request: Request):
     if not req.prompt and not req.context:
         return loaded_reply(ctx, req, {"response": ""})
     ids = await off_loop(ctx, request, lambda _cancel: generate_prompt(ctx, req))
-    return await generation_reply(ctx, request, req, ids, started, lambda text: {"response": text},
+    return await generation_reply(ctx, request, req, ids, started, lambda text, _last: {"response": text},
                                   lambda out: {"context": ids + out["output_ids"]})
 
 
@@ -301,7 +366,7 @@ async def show(request: Request):
     req = await read_model(request, OllamaShowRequest)
     family = model_family(ctx)
     template = getattr(ctx.tm.tokenizer, "chat_template", None)
-    capabilities = ["completion", "embedding"] + (["vision"] if ctx.tm.mm_processor is not None else [])
+    capabilities = ["completion", "tools", "embedding"] + (["vision"] if ctx.tm.mm_processor is not None else [])
     return {"modelfile": f"FROM {req.model or req.name or ctx.model_name}\n", "parameters": "",
             "template": template if isinstance(template, str) else "", "details": model_details(ctx),
             "model_info": {"general.architecture": family, f"{family}.context_length": ctx.tm.info.get("context_len"),

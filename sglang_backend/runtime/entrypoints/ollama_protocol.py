@@ -18,8 +18,9 @@ class OllamaMessage(_Base):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] | None = None
-    tool_calls: list[dict] | None = None
-    tool_name: str | None = None
+    tool_calls: list[dict] | None = None  # [{"function": {"name": ..., "arguments": {...}}}] (an "id" too, optional)
+    tool_name: str | None = None  # a tool message: the tool that answered
+    tool_call_id: str | None = None  # a tool message: the call it answers (langchain-ollama sends it)
     thinking: str | None = None
 
 
@@ -38,7 +39,7 @@ class _GenerationFields(_Base):
 
 class OllamaChatRequest(_GenerationFields):
     messages: list[OllamaMessage] = Field(default_factory=list)
-    tools: list[dict] | None = None
+    tools: list[Any] | None = None  # OpenAI-shaped function tools, each checked by tool_calls.validate_tools
 
 
 class OllamaGenerateRequest(_GenerationFields):

@@ -86,8 +86,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
+    tools: list[Any] | None = None  # each checked by tool_calls.validate_tools (clear 400s, not pydantic's)
     tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
+    separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart (False: all in content)
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
 
