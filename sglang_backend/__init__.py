@@ -20,6 +20,7 @@ from .lang.api import (
     get_server_info,
     image,
     select,
+    separate_reasoning,
     set_default_backend,
     system,
     system_begin,
@@ -29,6 +30,7 @@ from .lang.api import (
     user_end,
     video,
 )
+from .lang.global_config import global_config
 from .lang.choices import greedy_token_selection, token_length_normalized, unconditional_likelihood_normalized
 from .runtime.sampling_params import SamplingParams
 from .runtime.server_args import ServerArgs
@@ -55,7 +57,7 @@ def __getattr__(name):
 __all__ = [
     "Engine", "EngineBackend", "OpenAI", "Runtime", "RuntimeEndpoint", "SamplingParams", "ServerArgs",
     "assistant", "assistant_begin", "assistant_end", "commit_lazy_operations", "flush_cache", "function", "gen",
-    "gen_int", "gen_string", "get_default_backend", "get_server_info", "greedy_token_selection", "image", "select",
-    "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
+    "gen_int", "gen_string", "get_default_backend", "get_server_info", "global_config", "greedy_token_selection",
+    "image", "select", "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
     "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "video",
 ]

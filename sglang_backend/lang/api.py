@@ -26,32 +26,32 @@ from .ir import (
     SglRoleEnd,
     SglSamplingParams,
     SglSelect,
+    SglSeparateReasoning,
     SglVideo,
     _to_expr,
 )
+from .global_config import global_config
 from .tracer import TracerProgramState, substitute, trace_program
 
-_default_backend = None
 PREFIX_CACHE_MIN_CHARS = 64  # run_batch pre-caches a constant prefix at least this long
 
 
 def set_default_backend(backend) -> None:
-    global _default_backend
-    _default_backend = backend
+    global_config.default_backend = backend
 
 
 def get_default_backend():
-    return _default_backend
+    return global_config.default_backend
 
 
 def flush_cache(backend=None) -> None:
-    backend = backend or _default_backend
+    backend = backend or global_config.default_backend
     if backend is not None and hasattr(backend, "flush_cache"):
         backend.flush_cache()
 
 
 def get_server_info(backend=None) -> dict:
-    backend = backend or _default_backend
+    backend = backend or global_config.default_backend
     return backend.get_server_info()
 
 
@@ -90,8 +90,11 @@ class SglFunction:
                                     ignore_eos=ignore_eos, return_logprob=return_logprob,
                                     logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
                                     return_text_in_logprobs=return_text_in_logprobs)
-        backend = backend or _default_backend
-        return run_program(self, backend, (), self._kwargs(args, kwargs), default, stream, use_thread)
+        backend = backend or global_config.default_backend
+        state = run_program(self, backend, (), self._kwargs(args, kwargs), default, stream, use_thread)
+        if global_config.verbosity >= 2 and not stream:
+            print(state.text())
+        return state
 
     def run_batch(self, batch_kwargs: list[dict], *, max_new_tokens: int = 128, stop=None, stop_token_ids=None,
                   temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
@@ -101,7 +104,7 @@ class SglFunction:
                   progress_bar: bool = False, generator_style: bool = False) -> list[ProgramState]:
         if not isinstance(batch_kwargs, (list, tuple)):
             raise TypeError("run_batch takes a list of argument dicts")
-        backend = backend or _default_backend
+        backend = backend or global_config.default_backend
         if backend is None:
             raise ValueError("no backend: call set_default_backend(...) or pass backend=...")
         if not batch_kwargs:
@@ -133,7 +136,17 @@ class SglFunction:
 
     def cache_batch_prefix(self, backend, n: int) -> None:
         """Pre-caches the constant prefix every instance starts with, once, before ``n`` instances fan out."""
-        if not getattr(backend, "fork_hints", True) or n < 2:
+        if n >= 2 and global_config.enable_precache_with_tracing:
+            self.cache(backend)
+
+    def cache(self, backend=None) -> None:
+        """Prefills the program's constant prefix (traced: the text every run starts with, bound arguments
+        included) into the backend's prefix cache, as upstream's ``SglFunction.cache``; runs then start from
+        the cached prefix. Prefixes shorter than PREFIX_CACHE_MIN_CHARS are not worth a call."""
+        backend = backend or global_config.default_backend
+        if backend is None:
+            raise ValueError("no backend: call set_default_backend(...) or pass backend=...")
+        if not getattr(backend, "fork_hints", True):
             return
         try:
             prefix = trace_program(self, self.bind_arguments, partial=True).constant_prefix(backend.get_chat_template())
@@ -171,7 +184,7 @@ class CompiledFunction:
         missing = [a for a in self.graph.arguments if a not in kwargs]
         if missing:
             raise TypeError(f"compiled program is missing arguments {missing}")
-        backend = backend or self.backend or _default_backend
+        backend = backend or self.backend or global_config.default_backend
         executor = StreamExecutor(backend, kwargs, SglSamplingParams(), None)
         states = {0: ProgramState(executor)}
         for branch, kind, payload in self.graph.ops:
@@ -293,4 +306,13 @@ def assistant_end() -> SglExpr:
 
 def commit_lazy_operations() -> SglExpr:
     return SglCommitLazy()
+
+
+def separate_reasoning(expr=None, model_type: str | None = None) -> SglExpr:
+    """``separate_reasoning(gen("answer"), model_type="deepseek-r1")``: runs the gen, then moves its
+    ``<think>...</think>`` part to the variable ``answer_reasoning_content``."""
+    if expr is None:
+        return SglExprList([])
+    expr = _to_expr(expr)
+    return SglExprList([expr, SglSeparateReasoning(model_type, expr)])
 

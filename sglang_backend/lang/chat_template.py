@@ -13,6 +13,7 @@ class ChatTemplate:
     role_prefix_and_suffix: dict[str, tuple[str, str]]
     default_system_prompt: str | None = None
     stop_str: list[str] = field(default_factory=list)
+    image_token: str = "<image>"  # what upstream's image() writes for this template
 
     def get_prefix_and_suffix(self, role: str, history: list[dict] | None = None) -> tuple[str, str]:
         if role not in self.role_prefix_and_suffix:
@@ -43,7 +44,20 @@ DEFAULT = ChatTemplate(
     {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"), "assistant": ("ASSISTANT:", "\n")},
 )
 
-TEMPLATES = {t.name: t for t in (CHATML, LLAMA3, LLAMA2, DEFAULT)}
+# More of upstream's names, for programs that pick a template with get_chat_template("...").
+_CHATML_ROLES = CHATML.role_prefix_and_suffix
+_EXTRA = (
+    ChatTemplate("qwen", _CHATML_ROLES, "You are a helpful assistant.", ["<|im_end|>"]),
+    ChatTemplate("chatml-llava", _CHATML_ROLES, "You are a helpful assistant.", ["<|im_end|>"], "<image>\n"),
+    ChatTemplate("llama-3-instruct-llava", LLAMA3.role_prefix_and_suffix, None, ["<|eot_id|>"], "<image>\n"),
+    ChatTemplate("vicuna_v1.1", {"system": ("", " "), "user": ("USER:", " "), "assistant": ("ASSISTANT:", "</s>")},
+                 "A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+                 "helpful, detailed, and polite answers to the user's questions.", [], " <image>\n"),
+    ChatTemplate("claude", {"system": ("", ""), "user": ("\n\nHuman: ", ""), "assistant": ("\n\nAssistant:", "")}),
+    ChatTemplate("gemma-it", {"system": ("", ""), "user": ("<start_of_turn>user\n", "<end_of_turn>\n"),
+                              "assistant": ("<start_of_turn>model\n", "<end_of_turn>\n")}),
+)
+TEMPLATES = {t.name: t for t in (CHATML, LLAMA3, LLAMA2, DEFAULT, *_EXTRA)}
 
 
 def get_chat_template(name: str) -> ChatTemplate:

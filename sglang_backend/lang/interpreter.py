@@ -26,13 +26,19 @@ from .ir import (
     SglRoleEnd,
     SglSamplingParams,
     SglSelect,
+    SglSeparateReasoning,
     SglVariable,
     SglVarScopeBegin,
     SglVarScopeEnd,
     SglVideo,
     _to_expr,
     cast_dtype,
+    reasoning_var_name,
 )
+from .reasoning import separate
+from .speculative import SpecTerm, gen_term, match_terms
+
+CHAT_SPEC_TRIES = 3  # chat speculative execution: completions tried until one follows the template (sampling)
 
 
 class ProgramError(RuntimeError):
@@ -63,6 +69,8 @@ class StreamExecutor:
         self.finished = False
         self.cond = threading.Condition()
         self.spec_text = ""  # API speculative execution: text generated ahead, not yet consumed
+        self.chat_spec: list[SpecTerm] = []  # chat models: the assistant turn's deferred texts and gens
+        self.cur_images: list = []  # images of the open role, for backends that send them as message parts
         self.api_calls = 0
         self.use_thread = use_thread
         self.queue: queue.Queue = queue.Queue()
@@ -82,9 +90,13 @@ class StreamExecutor:
     def _declare_vars(self, expr: SglExpr) -> None:
         exprs = expr.exprs if isinstance(expr, SglExprList) else [expr]
         for e in exprs:
-            name = getattr(e, "name", None) if isinstance(e, (SglGen, SglSelect, SglVarScopeBegin)) else None
-            if name is not None:
-                self.variable_event.setdefault(name, threading.Event())
+            if isinstance(e, SglSeparateReasoning):
+                names = e.names
+            else:
+                names = [getattr(e, "name", None)] if isinstance(e, (SglGen, SglSelect, SglVarScopeBegin)) else []
+            for name in names:
+                if name is not None:
+                    self.variable_event.setdefault(name, threading.Event())
 
     def sync(self) -> None:
         if self.use_thread:
@@ -152,10 +164,10 @@ class StreamExecutor:
             for e in expr.exprs:
                 self._execute(e)
         elif isinstance(expr, SglConstantText):
-            self._append(expr.value)
+            self._fill(expr.value)
         elif isinstance(expr, SglVariable):
             value = expr.source.get_var(expr.name) if expr.source is not None else self.get_var(expr.name)
-            self._append(str(value))
+            self._fill(str(value))
         elif isinstance(expr, SglGen):
             self._gen(expr)
         elif isinstance(expr, SglSelect):
@@ -173,8 +185,16 @@ class StreamExecutor:
             self.backend.cache_prefix(self.text_)
         elif isinstance(expr, (SglImage, SglVideo)):
             self._image(expr)
+        elif isinstance(expr, SglSeparateReasoning):
+            self._separate_reasoning(expr)
         else:
             raise TypeError(f"unknown expression {expr!r}")
+
+    def _fill(self, text: str) -> None:
+        if self._chat_speculating():
+            self.chat_spec.append(SpecTerm(text))
+        else:
+            self._append(text)
 
     def _append(self, text: str) -> None:
         # Text the program writes consumes matching speculated text; anything else voids the speculation.
@@ -196,6 +216,9 @@ class StreamExecutor:
     def _gen(self, expr: SglGen) -> None:
         params = expr.sampling_params.merged_over(self.default_sampling_para)
         name = expr.name or f"gen_{len(self.variables)}"
+        if self._chat_speculating():
+            self.chat_spec.append(gen_term(name, params))
+            return
         if params.n and params.n > 1:
             texts, metas = self.backend.generate_n(self, params, params.n)
             value = [cast_dtype(params.dtype, t) for t in texts] if params.dtype else texts
@@ -224,6 +247,32 @@ class StreamExecutor:
         return bool(self.num_api_spec_tokens) and getattr(self.backend, "supports_api_spec", False) \
             and not getattr(self.backend, "is_chat_model", False)
 
+    def _chat_speculating(self) -> bool:
+        return self.cur_role == "assistant" and bool(self.num_api_spec_tokens) \
+            and getattr(self.backend, "supports_api_spec", False) and getattr(self.backend, "is_chat_model", False)
+
+    def _flush_chat_spec(self) -> None:
+        """Runs the assistant turn's deferred texts and gens as one chat completion (see speculative.py)."""
+        terms, self.chat_spec = self.chat_spec, []
+        gens = [t for t in terms if t.text is None]
+        values, meta = {}, {}
+        if gens:
+            params = dataclasses.replace(gens[0].params, stop=None, n=None, max_new_tokens=self.num_api_spec_tokens)
+            for _ in range(1 if not params.temperature else CHAT_SPEC_TRIES):  # greedy: a retry is the same
+                completion, meta = self.backend.generate(self, params)
+                values, matched = match_terms(terms, completion)
+                if matched:
+                    break
+        for t in terms:
+            value = t.text if t.text is not None else values.get(t.name, "")
+            self._append(value)
+            if t.text is None:
+                try:
+                    typed = cast_dtype(t.params.dtype, value) if t.params.dtype else value
+                except ValueError:
+                    typed = value  # the model strayed: the raw text, as upstream's
+                self._set_var(t.name, typed, {**meta, "speculative": True})
+
     def _append_generated(self, text: str) -> None:
         with self.cond:
             self.text_ += text
@@ -251,6 +300,29 @@ class StreamExecutor:
         self._append(decision.decision)
         self._set_var(expr.name or f"select_{len(self.variables)}", decision.decision, decision.meta_info)
 
+    def _separate_reasoning(self, expr: SglSeparateReasoning) -> None:
+        """Splits each target's output: the answer stays in its variable and in the text (the reasoning is cut
+        out of the text where the output was appended), the reasoning goes to ``<name>_reasoning_content``."""
+        if self.chat_spec:
+            self._flush_chat_spec()  # the gens to split are still deferred
+        for target in expr.targets:
+            raw = self.get_var(target.name)
+            if isinstance(raw, list):  # gen(n=...): one split per sample; the text holds the first
+                pairs = [separate(r, expr.model_type) for r in raw]
+                reasoning, answer = [p[0] for p in pairs], [p[1] for p in pairs]
+                raw_text, answer_text = raw[0], answer[0]
+            else:
+                raw_text = str(raw)
+                reasoning, answer = separate(raw_text, expr.model_type)
+                answer_text = answer
+            at = self.text_.rfind(raw_text)
+            if at >= 0:
+                with self.cond:
+                    self.text_ = self.text_[:at] + answer_text + self.text_[at + len(raw_text):]
+                    self.cond.notify_all()
+            self._set_var(reasoning_var_name(target.name), reasoning)
+            self._set_var(target.name, answer, self.meta_info.get(target.name))
+
     def _role_begin(self, role: str) -> None:
         if self.cur_role is not None:
             raise ValueError(f"role {role!r} begins inside role {self.cur_role!r}")
@@ -266,9 +338,15 @@ class StreamExecutor:
     def _role_end(self, role: str) -> None:
         if self.cur_role != role:
             raise ValueError(f"role {role!r} ends but {self.cur_role!r} is open")
+        if self.chat_spec:
+            self._flush_chat_spec()
         content = self.text_[self.cur_role_begin_pos:]
         _, suffix = self.chat_template.get_prefix_and_suffix(role, self.messages_)
         self._append(suffix)
+        if self.cur_images:  # OpenAI's vision format: the text, then the role's images
+            content = [{"type": "text", "text": content},
+                       *({"type": "image_url", "image_url": {"url": url}} for url in self.cur_images)]
+            self.cur_images = []
         self.messages_.append({"role": role, "content": content})
         self.cur_role = None
         self.cur_role_begin_pos = None
@@ -293,6 +371,7 @@ class StreamExecutor:
             b.meta_info = dict(self.meta_info)
             for k in self.variables:
                 b.variable_event.setdefault(k, threading.Event()).set()
+            b.cur_images = list(self.cur_images)
             b.cur_role = self.cur_role
             b.cur_role_begin_pos = self.cur_role_begin_pos
             branches.append(b)
@@ -415,7 +494,11 @@ class ProgramStateGroup:
             raise TypeError("assign to a fork branch with +=, e.g. forks[i] += ...")
 
     def __iadd__(self, other):
-        if isinstance(other, (list, tuple)):
+        if callable(other) and not isinstance(other, SglExpr):
+            # forks += lambda i: ...: branch i gets what the function returns for i (upstream's form).
+            for i, s in enumerate(self.states):
+                s += other(i)
+        elif isinstance(other, (list, tuple)):
             if len(other) != len(self.states):
                 raise ValueError(f"{len(other)} expressions for {len(self.states)} branches")
             for s, o in zip(self.states, other):

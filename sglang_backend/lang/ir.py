@@ -113,6 +113,10 @@ class SglExprList(SglExpr):
             flat.extend(e.exprs if isinstance(e, SglExprList) else [e])
         self.exprs = flat
 
+    @property
+    def expr_list(self) -> list[SglExpr]:  # upstream's attribute name
+        return self.exprs
+
 
 @dataclass(eq=False)
 class SglConstantText(SglExpr):
@@ -167,6 +171,43 @@ class SglVarScopeEnd(SglExpr):
 @dataclass(eq=False)
 class SglCommitLazy(SglExpr):
     """Send the text so far to the backend as a prefix hint (max_new_tokens=0)."""
+
+
+@dataclass(eq=False)
+class SglSeparateReasoning(SglExpr):
+    """``separate_reasoning(gen(...), model_type)``: after the gen, its ``<think>...</think>`` part moves to the
+    variable ``<name>_reasoning_content``; the gen's variable and the text keep the answer only."""
+
+    model_type: str | None
+    expr: SglExpr | None
+
+    @property
+    def targets(self) -> list:
+        """The gens/selects whose output is split."""
+        exprs = self.expr.exprs if isinstance(self.expr, SglExprList) else [self.expr]
+        return [e for e in exprs if isinstance(e, (SglGen, SglSelect))]
+
+    @property
+    def names(self) -> list[str]:
+        """The reasoning variables this produces."""
+        return [reasoning_var_name(e.name) for e in self.targets]
+
+    @property
+    def name(self) -> str | None:  # upstream's attribute: the (last) reasoning variable
+        return self.names[-1] if self.names else None
+
+    @staticmethod
+    def process_name_for_reasoning(name: str | None) -> str:  # upstream's name for reasoning_var_name
+        return reasoning_var_name(name)
+
+    def __repr__(self) -> str:  # upstream's form
+        return f"SeparateReasoning(model_type={self.model_type}, name={self.name})"
+
+
+def reasoning_var_name(name: str | None) -> str:
+    if not name:
+        raise ValueError("separate_reasoning needs a named gen/select: gen(\"answer\", ...)")
+    return f"{name}_reasoning_content"
 
 
 class BlockScope:

@@ -50,12 +50,18 @@ class TracedProgram:
         self._last[branch] = nid
         return nid
 
+    def node_line(self, i: int) -> str:
+        n = self.nodes[i]
+        value = n.value if not isinstance(n.value, str) or len(n.value) < 40 else n.value[:37] + "..."
+        return f"%{i} = {n.kind}({value!r}) <- {n.inputs} [branch {n.branch}]"
+
     def pretty(self) -> str:
-        lines = []
-        for i, n in enumerate(self.nodes):
-            value = n.value if not isinstance(n.value, str) or len(n.value) < 40 else n.value[:37] + "..."
-            lines.append(f"%{i} = {n.kind}({value!r}) <- {n.inputs} [branch {n.branch}]")
-        return "\n".join(lines)
+        return "\n".join(self.node_line(i) for i in range(len(self.nodes)))
+
+    @property
+    def last_node(self) -> "GraphNode":
+        """The main program's last node (upstream's ``tracer.last_node``), to walk the graph back from."""
+        return GraphNode(self, self._last.get(0))
 
     def constant_prefix(self, chat_template) -> str:
         """The text every run of the program starts with (before any argument, gen or select)."""
@@ -73,6 +79,37 @@ class TracedProgram:
                 else:
                     return text
         return text
+
+
+class GraphNode:
+    """One node of a traced graph, as upstream's tracer hands it out: ``print_graph_dfs()`` lists the node and
+    everything it depends on, dependencies first, one ``%id = kind(value) <- inputs`` line each."""
+
+    def __init__(self, graph: TracedProgram, node_id: int | None):
+        self.graph, self.node_id = graph, node_id
+
+    @property
+    def prev_nodes(self) -> list["GraphNode"]:
+        if self.node_id is None:
+            return []
+        return [GraphNode(self.graph, i) for i in self.graph.nodes[self.node_id].inputs]
+
+    def print_graph_dfs(self) -> str:
+        order: list[int] = []
+        seen: set[int] = set()
+        stack = [(self.node_id, False)] if self.node_id is not None else []
+        while stack:  # iterative post-order: a long program must not hit the recursion limit
+            nid, expanded = stack.pop()
+            if expanded:
+                order.append(nid)
+            elif nid not in seen:
+                seen.add(nid)
+                stack.append((nid, True))
+                stack.extend((i, False) for i in reversed(self.graph.nodes[nid].inputs) if i not in seen)
+        return "".join(self.graph.node_line(i) + "\n" for i in order)
+
+    def __repr__(self) -> str:
+        return f"GraphNode(%{self.node_id})"
 
 
 class TracerProgramState(RoleBlocks):
@@ -148,7 +185,10 @@ class TracerStateGroup:
         pass
 
     def __iadd__(self, other):
-        others = other if isinstance(other, (list, tuple)) else [other] * len(self.states)
+        if callable(other) and not isinstance(other, SglExpr):
+            others = [other(i) for i in range(len(self.states))]  # forks += lambda i: ...
+        else:
+            others = other if isinstance(other, (list, tuple)) else [other] * len(self.states)
         for s, o in zip(self.states, others):
             s += o
         return self

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 from ..chat_template import ChatTemplate, guess_chat_template
@@ -10,9 +11,25 @@ from ..choices import ChoicesDecision, normalized_logprob, token_length_normaliz
 from ..ir import SglSamplingParams, SglVideo
 
 
+def image_data_url(item):
+    """Local files and in-memory images as PNG data URLs (a server does not read the client's files); strings that
+    are not local files (data URLs, http URLs, base64) pass through."""
+    if isinstance(item, str) and not os.path.isfile(item):
+        return item
+    from ...runtime.multimodal.image import encode_image_data_url, load_image  # deferred: imports PIL
+
+    return encode_image_data_url(load_image(item, allow_local_media=True))
+
+
 class BaseBackend:
     supports_stream = True
     fork_hints = True  # send the shared prefix before fork branches / run_batch (ablation switch)
+
+    @property
+    def endpoint(self):
+        """The backend requests go to, an attribute as upstream's ``Runtime.endpoint`` (``runtime.endpoint.
+        chat_template = ...``, ``default_backend.endpoint.get_model_name()``): every backend here is its own."""
+        return self
 
     def get_chat_template(self) -> ChatTemplate:
         return getattr(self, "chat_template", None) or guess_chat_template(None, None)

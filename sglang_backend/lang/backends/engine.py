@@ -22,6 +22,10 @@ class EngineBackend(NativeAPIBackend):
         self.chat_template = (get_chat_template(chat_template) if chat_template else
                               guess_chat_template(getattr(engine.tokenizer, "chat_template", None), engine.model_dir))
 
+    def get_model_name(self) -> str:
+        """The engine's model directory (upstream's name, as RuntimeEndpoint.get_model_name)."""
+        return str(self.engine.model_dir)
+
     def tokenize(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
 

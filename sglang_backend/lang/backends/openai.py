@@ -3,16 +3,21 @@
 Speculative execution (``@function(num_api_spec_tokens=N)``, completion models): the first ``gen``
 over-generates N tokens without its stop; the following constant text and ``gen``s are matched against that
 speculated text, so a multi-field template often costs one API call instead of one per field. When the
-model strays from the template, the speculation is dropped and a fresh call is made.
+model strays from the template, the speculation is dropped and a fresh call is made. Chat models: an assistant
+turn's texts and gens are matched against one chat completion at the end of the turn (lang/speculative.py).
+
+``select`` (completion models) and ``image`` (chat models) are supported too; see those methods.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..chat_template import get_chat_template, guess_chat_template
-from ..ir import SglSamplingParams
-from .base import BaseBackend
+from ..choices import ChoicesDecision
+from ..ir import SglSamplingParams, SglVideo
+from .base import BaseBackend, image_data_url
 
 
 @dataclass
@@ -40,6 +45,9 @@ class OpenAI(BaseBackend):
         self.is_chat_model = is_chat_model
         self.chat_template = get_chat_template(chat_template) if chat_template else guess_chat_template(None, model_name)
         self.token_usage = TokenUsage()
+
+    def get_model_name(self) -> str:
+        return self.model_name
 
     def _request_kwargs(self, sp: SglSamplingParams) -> dict:
         kwargs = {"max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p}
@@ -114,6 +122,33 @@ class OpenAI(BaseBackend):
         self._account(usage)
         yield "", meta
 
+    def append_image(self, s, expr) -> None:
+        """``image(x)`` in a chat model's message: sent as an ``image_url`` part (a PNG data URL; local files
+        are read here, on the program's side) after the message's text, in OpenAI's vision format."""
+        if not self.is_chat_model:
+            raise NotImplementedError("images through the OpenAI backend need a chat model (message parts)")
+        if isinstance(expr, SglVideo):
+            raise NotImplementedError("video() through the OpenAI backend is not supported; use image() per frame")
+        if s.cur_role is None:
+            raise ValueError("image() through the OpenAI backend must be inside a role, e.g. sgl.user(sgl.image(...))")
+        s.cur_images.append(image_data_url(expr.path))
+
     def select(self, s, choices, temperature, choices_method):
-        raise NotImplementedError("select() needs prompt logprobs, which the OpenAI API does not return; use a "
-                                  "runtime backend (Engine, RuntimeEndpoint) or gen(regex=...) with the choices")
+        """Completion models: greedy decoding restricted to the choices, as upstream's (which steers each token
+        with logit_bias and a client-side tokenizer); here one request constrained by ``regex`` (servers that take
+        it, such as ours), so no tokenizer is needed. ``choices_method`` needs prompt logprobs, which the API
+        does not return: it is ignored, as upstream's OpenAI backend does."""
+        if self.is_chat_model:
+            raise NotImplementedError("select() with an OpenAI chat model is not supported (as upstream): use a "
+                                      "completion model (is_chat_model=False) or a runtime backend")
+        pattern = "(" + "|".join(re.escape(c) for c in choices) + ")"
+        # A token is at least one byte: 4 tokens a character covers any UTF-8 choice.
+        max_tokens = 4 * max(len(c) for c in choices) + 1
+        resp = self.client.completions.create(model=self.model_name, prompt=s.text_, max_tokens=max_tokens,
+                                              temperature=temperature, extra_body={"regex": pattern})
+        self._account(resp.usage)
+        text = resp.choices[0].text
+        if text not in choices:
+            raise RuntimeError(f"select(): the server returned {text!r}, not one of the choices (does it honour "
+                               "the regex extension?)")
+        return ChoicesDecision(text, {"scores": [int(c == text) for c in choices]})

@@ -4,7 +4,6 @@ one as a subprocess and tears it down)."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import requests
 from ... import environ
 from ...runtime.server_args import ServerArgs
 from ..chat_template import get_chat_template, guess_chat_template
-from .base import NativeAPIBackend
+from .base import NativeAPIBackend, image_data_url
 
 
 class RuntimeEndpoint(NativeAPIBackend):
@@ -72,10 +71,7 @@ class RuntimeEndpoint(NativeAPIBackend):
     def _encode_images(self, images: list) -> list:
         """Local files and in-memory images (video frames) travel as PNG data URLs: the server does not read
         the client's files. Strings that are not local files (data URLs, base64) pass through."""
-        from ...runtime.multimodal.image import encode_image_data_url, load_image  # deferred: imports PIL
-
-        return [item if isinstance(item, str) and not os.path.isfile(item)
-                else encode_image_data_url(load_image(item, allow_local_media=True)) for item in images]
+        return [image_data_url(item) for item in images]
 
     def _call(self, payload: dict):
         r = self.session.post(self.base_url + "/generate", json=payload, timeout=self.timeout)
@@ -98,6 +94,10 @@ class RuntimeEndpoint(NativeAPIBackend):
 
     def get_server_info(self) -> dict:
         return self._get("/get_server_info")
+
+    def get_model_name(self) -> str:
+        """The server's model path (upstream's name; programs load its tokenizer from it)."""
+        return self.model_info["model_path"]
 
     def flush_cache(self) -> None:
         self.session.post(self.base_url + "/flush_cache", timeout=self.timeout)
@@ -139,7 +139,9 @@ class Runtime(RuntimeEndpoint):
             time.sleep(0.5)
         super().__init__(self.url, api_key=args.api_key)
 
-    def endpoint(self) -> RuntimeEndpoint:
+    def __call__(self) -> "Runtime":
+        # Backward compatibility: ``endpoint`` (BaseBackend's attribute, self) was a method of Runtime, and
+        # ``runtime.endpoint()`` now calls this.
         return self
 
     def shutdown(self) -> None:

@@ -534,6 +534,12 @@ class Scheduler:
                 continue
             if req.sampling_params.max_new_tokens == 0 or req.remaining_new_tokens() == 0:
                 # Prefill only: the frontend's fork hint caches the prefix and returns.
+                if req.sampling_params.max_new_tokens == 0 and req.return_logprob and req.top_logprobs_num:
+                    # Nothing is sampled, but the next token's top-k is asked for (upstream's cot_decoding
+                    # reads output_top_logprobs[0] of a max_tokens=0 gen). Not for a request whose budget ran
+                    # out (a jump-forward filled it): its top-k entries stay one per sampled token.
+                    vals, ids = top_logprobs(req_logits[-1:], req.top_logprobs_num)
+                    req.output_top_logprobs.append(list(zip(vals[0].tolist(), ids[0].tolist())))
                 req.finished_reason = finish_length(len(req.output_ids))
                 self.release(req)
                 outputs.append(req)
