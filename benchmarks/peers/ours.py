@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import json
 import sys
 import time
 import traceback
@@ -71,6 +72,20 @@ def make_engine(model: str, device: str, cache_on: bool, mem_fraction: float, **
     kw.update(overrides)
     return Engine(model_path=make_model_dir(model), load_format="dummy", device=device, random_seed=0,
                   disable_radix_cache=not cache_on, log_level="warning", **kw)
+
+
+def server_arg_overrides(items: list[str]) -> dict:
+    """``KEY=VALUE`` strings as ServerArgs overrides; VALUE parsed as JSON (true, 0.5, "x"), else kept as a string."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--server-arg takes KEY=VALUE, not {item!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.replace("-", "_")] = value
+    return out
 
 
 def engine_info(eng, init_s: float) -> dict:
@@ -141,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--attention-backend", default="triton", help="on the GPU (the CPU runs torch_native)")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more ServerArgs field for our engine (repeatable; VALUE as JSON, else a string)")
     args = ap.parse_args(argv)
     result = new_result("ours", args)
     result["info"]["model"] = args.model
@@ -148,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         backend = {"attention_backend": args.attention_backend} if args.device == "cuda" else {}
+        backend.update(server_arg_overrides(args.server_arg))
+        result["info"]["server_args"] = dict(server_arg_overrides(args.server_arg))
         client = OurClient(make_engine(args.model, args.device, args.cache == "on", args.mem_fraction, **backend))
         result["info"].update(engine_info(client.eng, time.perf_counter() - t0))
         log("ours", f"cache {args.cache}: engine up in {result['info']['engine_init_s']:.1f} s, "

@@ -103,7 +103,7 @@ def child_command(args, phase: Phase, out: str) -> list[str]:
     if phase.side == "ours":
         return [sys.executable, "-m", "benchmarks.peers.ours", "--model", args.model, "--device", args.device,
                 "--mem-fraction", str(args.ours_mem_fraction), "--attention-backend", args.ours_attention_backend,
-                *common]
+                *[f"--server-arg={a}" for a in args.ours_arg], *common]
     spec = MODELS[args.model]
     return [sys.executable, "-m", "benchmarks.peers.vllm_side", "--model-dir", vllm_model_dir(args.model),
             "--dtype", spec["dtype"], "--vocab", str(spec["config"]["vocab_size"]),
@@ -237,6 +237,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ours-mem-fraction", type=float, default=0.9, help="our mem_fraction_static (our default)")
     ap.add_argument("--ours-attention-backend", default="triton", choices=("triton", "fa3", "flashinfer"),
                     help="our engine's attention backend on the GPU (fa3: FlashAttention 3 from --vllm-site)")
+    ap.add_argument("--ours-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more ServerArgs field for our engine (repeatable), e.g. disable_cuda_graph=true")
     ap.add_argument("--vllm-mem-fraction", type=float, default=0.9, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--vllm-site", default="/tmp/site", help="put first on the vLLM children's PYTHONPATH if present")
     ap.add_argument("--quiet", action="store_true", help="print only the benchmark's own lines (logs keep all)")

@@ -93,9 +93,11 @@ def _leave_during_compilation(rel_server) -> None:
     r, _ = chat(rel_server)  # a fresh server: its first request's one-time work is not what this test measures
     assert r.status_code == 200
     time.sleep(0.5)
-    # 32,770 DFA states whose token index takes longer than the whole 5 s budget; a fresh prefix each run.
-    regex = uuid.uuid4().hex[:6] + "[ab]*a[ab]{14}c[ab]*"
-    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4, "regex": regex}}
+    # Three grammars of 32,775 DFA states each (the fsm engine's limit is 50,000), compiled one after the other in
+    # the request's preparation: about 2.5 s each here, so 7 s or more of work if nothing stopped it. A fresh
+    # prefix each run, so no cache holds them.
+    regexes = [uuid.uuid4().hex[:6] + "[ab]*a[ab]{14}c[ab]*" for _ in range(3)]
+    body = {"text": ["hi"] * 3, "sampling_params": [{"max_new_tokens": 4, "regex": r} for r in regexes]}
     t0 = time.perf_counter()
     try:
         r = httpx.post(rel_server.url + "/generate", json=body, headers=rel_server.headers, timeout=0.3)
@@ -103,7 +105,9 @@ def _leave_during_compilation(rel_server) -> None:
         pass
     else:
         raise AssertionError(f"answered within 0.3 s, the test needs a slower grammar: {r.status_code} {r.text[:200]}")
-    time.sleep(1.0)  # the server notices the disconnect within 0.5 s; the compilation stops at its next check
+    # The server notices the disconnect within 0.5 s and the compilation stops at its next budget check (a few
+    # hundred ms apart at most, more on a loaded machine): measure from 2 s on, long before the work would end.
+    time.sleep(2.0)
     before, t1 = process_cpu_s(rel_server.proc.pid), time.perf_counter()
     time.sleep(1.0)
     busy = (process_cpu_s(rel_server.proc.pid) - before) / (time.perf_counter() - t1)

@@ -153,3 +153,40 @@ def test_decode_batches_know_whether_they_share_a_first_slot(engine, overlap):
         sched.overlap = None
     assert behind_prefix and all(s for _, s in behind_prefix), behind_prefix
     assert any(bs > 1 for bs, _ in apart) and all(not s for bs, s in apart if bs > 1), apart
+
+
+def test_a_cache_flush_that_drains_the_last_step_reports_it(engine):
+    """A cache flush drains the decode step in flight first; when that step ends the last running request, the
+    flush goes ahead (the scheduler is idle) and the request must still be answered (with the next iteration)."""
+    import queue
+    import threading
+
+    sched = engine.scheduler
+    engine.flush_cache()
+    decoder = OverlapDecoder(sched)
+    real_step = decoder.step
+    replies: queue.Queue = queue.Queue()
+
+    def step_then_post_flush():
+        out = real_step()
+        last = decoder.inflight is not None and all(
+            len(r.output_ids) + 1 >= r.sampling_params.max_new_tokens for r in decoder.inflight.reqs)
+        if last and replies.empty():  # the step in flight computes the request's last token
+            replies.put("posted")
+            engine._post("control", ("flush_cache", None, replies))  # run between this iteration and the next
+        return out
+
+    decoder.step = step_then_post_flush
+    sched.overlap = decoder
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=engine.generate(
+        input_ids=_prompts()[1], sampling_params={"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})))
+    try:
+        worker.start()
+        worker.join(timeout=60)
+    finally:
+        sched.overlap = None
+    assert [replies.get(timeout=5), replies.get(timeout=5)] == ["posted", True], "the flush did not go ahead"
+    assert not worker.is_alive(), "the request ended by the drained step was never answered"
+    assert len(result["out"]["output_ids"]) == 3
+    engine.check_pool_whole()

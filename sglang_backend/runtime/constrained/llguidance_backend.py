@@ -75,7 +75,7 @@ MAX_REPEAT = 10_000
 _COUNTED_REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 
 
-def _check_repeats(regex: str) -> None:
+def check_repeats(regex: str) -> None:
     for m in _COUNTED_REPEAT.finditer(regex):
         if max(int(m.group(1)), int(m.group(2) or 0)) > MAX_REPEAT:
             raise grammar_budget.GrammarTooComplex(
@@ -143,7 +143,7 @@ class LLGuidanceCompiler:
         """A ``regex`` or ``json_schema`` grammar from its regex (``spec`` is the request's own text)."""
         import llguidance  # optional dependency: only reached once llguidance_available()
 
-        _check_repeats(regex)
+        check_repeats(regex)
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(regex_to_lark_grammar(regex))
         except ValueError as e:  # _preprocess: a bad \\u escape

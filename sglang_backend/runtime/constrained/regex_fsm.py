@@ -565,6 +565,7 @@ def _merge_identical(rows: np.ndarray, accepting: np.ndarray, initial: int, max_
     minimisation that folds the duplicated UTF-8 continuation chains and repeated tails both engines
     produce (full Moore/Hopcroft minimisation costs rounds proportional to the DFA's depth)."""
     for _ in range(max_rounds):
+        grammar_budget.check("DFA minimisation")
         n = rows.shape[0]
         key = np.ascontiguousarray(np.concatenate([rows, accepting[:, None].astype(np.int32)], axis=1))
         _, first, inv = np.unique(key.view(np.dtype((np.void, key.shape[1] * 4))).reshape(-1),

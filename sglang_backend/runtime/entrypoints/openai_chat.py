@@ -19,9 +19,9 @@ from .openai_protocol import ChatCompletionRequest
 from .reasoning import ReasoningStreamParser, split_reasoning
 from .request_parsing import json_body
 from .streaming import sse_response
-from .tool_calls import (DEFAULT_MAX_REGEX_CHARS, ToolCallStreamParser, ToolSpec, detect_format, parse_tool_calls,
-                         prompt_messages, special_trigger_ids, template_renders_tools, template_text, tool_constraint,
-                         validate_tools)
+from .tool_calls import (DEFAULT_MAX_REGEX_CHARS, TOOLS_REGEX_CHARS_FACTOR, ToolCallStreamParser, ToolSpec,
+                         detect_format, parse_tool_calls, prompt_messages, special_trigger_ids, template_renders_tools,
+                         template_text, tool_constraint, validate_tools)
 
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 
@@ -96,9 +96,9 @@ class ChatTools:
         ``skip_special_tokens`` off (the parser must see it). Builds regexes: call it off the event loop."""
         if not self.spec.active:
             return {}
-        limit = getattr(ctx.server_args, "grammar_max_regex_chars", DEFAULT_MAX_REGEX_CHARS) if ctx else \
-            DEFAULT_MAX_REGEX_CHARS
-        sp = tool_constraint(self.spec, self.fmt, self.special, max(limit, DEFAULT_MAX_REGEX_CHARS))
+        limit = DEFAULT_MAX_REGEX_CHARS if ctx is None else \
+            TOOLS_REGEX_CHARS_FACTOR * ctx.server_args.grammar_max_regex_chars
+        sp = tool_constraint(self.spec, self.fmt, self.special, limit)
         return {**sp, "skip_special_tokens": False} if self.special else sp
 
 
@@ -106,7 +106,7 @@ def chat_tools(ctx: AppContext, req: ChatCompletionRequest) -> ChatTools:
     """``req``'s tools checked (400 when malformed) and the call format of the server's model."""
     spec = validate_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     template = template_text(ctx.tm.tokenizer)
-    fmt = detect_format(template, getattr(ctx.server_args, "tool_call_parser", "auto"))
+    fmt = detect_format(template, ctx.server_args.tool_call_parser)
     renders = template_renders_tools(template)
     return ChatTools(spec, fmt, renders, special_trigger_ids(ctx.tm.tokenizer, fmt) if spec.active else {})
 
@@ -195,7 +195,7 @@ class ChatOutput:
 
     @classmethod
     def of(cls, ctx: AppContext, req: ChatCompletionRequest, tools: ChatTools) -> ChatOutput:
-        parser = getattr(ctx.server_args, "reasoning_parser", "none") if req.separate_reasoning else "none"
+        parser = ctx.server_args.reasoning_parser if req.separate_reasoning else "none"
         return cls(parser, tools.fmt if tools.spec.active else None)
 
     def message(self, text: str) -> dict:

@@ -32,15 +32,19 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from ..constrained import budget as grammar_budget
 from ..constrained.json_schema import build_regex_from_schema
-from ..constrained.llguidance_backend import _check_repeats, regex_to_lark_grammar
+from ..constrained.llguidance_backend import check_repeats, regex_to_lark_grammar
 from .errors import APIError
 
 FORMATS = ("hermes", "llama3", "mistral")
 PARSER_SETTINGS = ("auto",) + FORMATS
 MAX_TOOLS = 128
 MAX_SCHEMA_CHARS = 64 * 1024  # one tool's parameters, serialized
-DEFAULT_MAX_REGEX_CHARS = 256 * 1024  # all tools' argument regexes together (ServerArgs.grammar_max_regex_chars)
+# All tools' argument regexes together may take this many times ServerArgs.grammar_max_regex_chars (the limit of one
+# response_format grammar): a request's tools are several schemas. 256 KiB at the default.
+TOOLS_REGEX_CHARS_FACTOR = 4
+DEFAULT_MAX_REGEX_CHARS = TOOLS_REGEX_CHARS_FACTOR * grammar_budget.DEFAULT_MAX_REGEX_CHARS
 # Most calls in one reply: a small model at temperature 0 otherwise repeats one call until max_tokens.
 MAX_PARALLEL_CALLS = 8
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -282,7 +286,7 @@ def _call_terminals(spec: ToolSpec, fmt: str, max_regex_chars: int) -> list[str]
                        "required": ["name", key]}
         try:
             regex = build_regex_from_schema(call_schema)
-            _check_repeats(regex)  # as for response_format: llguidance would only fail mid-decode
+            check_repeats(regex)  # as for response_format: llguidance would only fail mid-decode
         except ValueError as e:  # unsupported keywords, unsatisfiable, past the compile budget
             raise APIError(f"tool {name!r}: its parameters schema cannot be used: {e}", param="tools") from None
         total += len(regex)

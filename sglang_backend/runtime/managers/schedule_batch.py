@@ -133,6 +133,11 @@ class Req:
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return max(limit, 0)
 
+    def first_logprob_position(self, prefix_len: int) -> int:
+        """The first position of a chunk starting at ``prefix_len`` whose logits score the next prompt token (prompt
+        logprobs start at logprob_start_len, scored by the logits one position earlier)."""
+        return max(prefix_len, self.logprob_start_len - 1)
+
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
 

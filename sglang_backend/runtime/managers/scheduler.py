@@ -149,7 +149,9 @@ class Scheduler:
         self._grammar_cache = None
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
-        self.just_aborted: list[Req] = []  # ended by the scheduler itself; reported with the next step
+        # Requests with output produced outside a step (aborted, rejected, a decode step drained by a cache flush):
+        # reported with the next step.
+        self.pending_outputs: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
         self.fault_injector = FaultInjector.from_env()  # tests only; None in normal runs
@@ -249,7 +251,7 @@ class Scheduler:
             logger.warning("rejected request %s: %s", msg.rid, e)
             req = Req(msg.rid, msg.input_ids or [0], SamplingParams(max_new_tokens=0))
             req.finished_reason = finish_abort(f"invalid request: {e}")
-            self.just_aborted.append(req)
+            self.pending_outputs.append(req)
             return
         self.add_request(req)
 
@@ -259,7 +261,7 @@ class Scheduler:
         if kind == "abort":
             req = self.abort_request(payload)
             if req is not None:
-                self.just_aborted.append(req)
+                self.pending_outputs.append(req)
             return req is not None
         if kind == "flush_cache":
             return self.flush_cache()
@@ -277,10 +279,10 @@ class Scheduler:
         """One turn of a driving loop: a step if there is work, plus the requests ended outside a step (aborted,
         rejected). Returns the requests with new output. With ``check_pool_on_idle``, raises
         ``PoolNotWholeError`` when this turn left the scheduler idle with the KV pool not whole."""
-        worked = self.has_work() or bool(self.just_aborted)
+        worked = self.has_work() or bool(self.pending_outputs)
         out = self.step() if self.has_work() else []
-        if self.just_aborted:
-            out, self.just_aborted = out + self.just_aborted, []
+        if self.pending_outputs:
+            out, self.pending_outputs = out + self.pending_outputs, []
         if worked and not self.has_work() and self.server_args.check_pool_on_idle:
             self.check_pool_whole()
         return out
@@ -292,8 +294,8 @@ class Scheduler:
         if self.overlap is not None:
             if self.overlap.can_run():
                 out += self.overlap.step()  # plain decode: host work overlaps the GPU step
-                if self.just_aborted:
-                    out, self.just_aborted = out + self.just_aborted, []
+                if self.pending_outputs:
+                    out, self.pending_outputs = out + self.pending_outputs, []
                 return out
             out += self.overlap.drain()  # anything else sees the running batch up to date
         batch = self._get_new_batch_prefill()
@@ -303,8 +305,8 @@ class Scheduler:
             out += self.run_decode()
         elif self.server_args.check_pool_on_idle and not self.has_work():
             self.check_pool_whole()
-        if self.just_aborted:
-            out, self.just_aborted = out + self.just_aborted, []
+        if self.pending_outputs:
+            out, self.pending_outputs = out + self.pending_outputs, []
         return out
 
     # Prefill ------------------------------------------------------------------------------------------------
@@ -434,7 +436,7 @@ class Scheduler:
         """Prompt positions of this chunk whose logits score the next prompt token (prompt logprobs)."""
         if req.input_logprobs_done:
             return 0
-        first = max(prefix_len, req.logprob_start_len - 1)
+        first = req.first_logprob_position(prefix_len)
         return max(0, min(prefix_len + extend, len(req.origin_input_ids) - 1) - first)
 
     def _logprob_cap(self, plan: PrefillPlan, req: Req, prefix_len: int, extend: int) -> int:
@@ -442,7 +444,7 @@ class Scheduler:
         long prompt asking for logprobs is chunked rather than holding [tokens, vocab] fp32 logits at once."""
         if self._logprob_rows(req, prefix_len, extend) <= plan.logprob_budget:
             return extend
-        first = max(prefix_len, req.logprob_start_len - 1)
+        first = req.first_logprob_position(prefix_len)
         return self._page_floor(max(0, first - prefix_len + plan.logprob_budget), extend)
 
     def _page_floor(self, budget, need: int) -> int:
@@ -497,8 +499,7 @@ class Scheduler:
             locs.append(self.req_to_token_pool.req_to_token[req.req_pool_idx, p : p + e])
             rows = []
             if not req.input_logprobs_done:
-                # Positions whose logits score the next prompt token, from logprob_start_len - 1.
-                first = max(p, req.logprob_start_len - 1)
+                first = req.first_logprob_position(p)
                 last = min(p + e, len(req.origin_input_ids) - 1)
                 rows = [offset + (pos - p) for pos in range(first, last)]
             if not req.is_chunked and req.pooling is None:
@@ -564,7 +565,7 @@ class Scheduler:
         self.release(req)
 
     def _add_input_logprobs(self, req: Req, prefix_len: int, logits: torch.Tensor) -> None:
-        first = max(prefix_len, req.logprob_start_len - 1)
+        first = req.first_logprob_position(prefix_len)
         if req.logprob_start_len == 0 and prefix_len == 0:
             req.input_token_logprobs.append((None, req.origin_input_ids[0]))
             if req.top_logprobs_num:
@@ -634,7 +635,7 @@ class Scheduler:
             req = self.running.pop()
             req.finished_reason = finish_abort("the sequence outgrew the KV cache; raise max_total_tokens", 507)
             self.release(req)
-            self.just_aborted.append(req)
+            self.pending_outputs.append(req)
         self.stats.num_retractions += len(retracted)
         self.waiting_queue = retracted[::-1] + self.waiting_queue
         self.new_token_ratio = 1.0  # be conservative again after running out of memory
@@ -692,7 +693,7 @@ class Scheduler:
             self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, n_prefix:end].clone())
             self.tree_cache.cache_finished_req(req, req.all_ids[:n_prefix])  # unlocks the prefix, frees the row
         self.stats.num_aborted += 1
-        self.just_aborted.append(req)
+        self.pending_outputs.append(req)
 
     def _drop_non_finite(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[Req], torch.Tensor]:
         """NaN/inf logits (a numerically broken forward for some rows) fail those requests only."""
@@ -776,7 +777,7 @@ class Scheduler:
             self.running.remove(req)
         self.release(req)
         self.stats.num_aborted += 1
-        self.just_aborted.append(req)
+        self.pending_outputs.append(req)
 
     def _append_token(self, req: Req, tok: int, logprob: float | None, logits_row: torch.Tensor, now: float) -> bool:
         """Adds the sampled token (and its logprobs), advances the grammar, checks for the end. False if this
@@ -899,7 +900,8 @@ class Scheduler:
     # Maintenance ------------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
         if self.overlap is not None:
-            self.overlap.drain()
+            # Reported with the next step: a request the drained step ended would otherwise never be answered.
+            self.pending_outputs += self.overlap.drain()
         if self.has_work():
             return False
         self.tree_cache.reset()
