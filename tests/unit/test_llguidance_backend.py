@@ -184,3 +184,66 @@ def test_engine_decodes_ebnf_with_jump_forward(smollm_engine):
     assert re.fullmatch(r"The sum is \([1-9]\+[1-9]\) = [0-9]+\.", out["text"]), out["text"]
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
     assert smollm_engine.scheduler.stats.num_jump_forward > before
+
+
+def _additive_row(compiler, matcher):
+    """The 0/-inf row for the matcher's current mask, built afresh (llguidance's mask, no cache)."""
+    import torch
+
+    matcher._sync()
+    key = None if matcher.terminated else compiler.mask_key(matcher.matcher.compute_bitmask())
+    return compiler._build_additive_mask(key, "cpu", torch.float32)
+
+
+def test_fill_mask_equals_adding_a_freshly_built_row(cache):
+    """fill_mask adds the cached 0/-inf row the mask thread found or built (without waiting once it is there):
+    each step's row must be exactly the logits plus a row built afresh from llguidance's mask, on every path
+    (float32, float64 and bfloat16 rows, a row wider than the vocabulary, forks) and once the grammar stopped."""
+    import random
+
+    import torch
+
+    schema = ('{"type": "object", "properties": {"s": {"type": "string"}, "n": {"type": "integer"}, '
+              '"e": {"enum": ["red", "green", "blue"]}}, "required": ["s", "n", "e"]}')
+    eos, v = cache.tokenizer.eos_token_id, cache.vocab_size
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    for kind, spec, text in [("json_schema", schema, '{"s": "a b", "n": 12, "e": "green"}'),
+                             ("regex", "[a-z ]+", "hello world")]:
+        grammar = cache.compile(kind, spec)
+        m = grammar.matcher()
+        for tok in cache.tokenizer.encode(text, add_special_tokens=False) + [eos, None]:
+            logits = torch.randn(v, generator=gen) * 10
+            expected = logits + _additive_row(grammar.compiler, m)
+            got, got64, got16 = logits.clone(), logits.double(), logits.bfloat16()
+            wide = torch.cat([logits, torch.zeros(7)])
+            for row in (got, got64, got16, wide):
+                m.fill_mask(row)
+            assert torch.equal(got, expected) and torch.equal(got64, expected.double())
+            assert torch.equal(got16, logits.bfloat16() + expected.sub(logits).bfloat16())
+            assert torch.equal(wide[:v], expected) and bool((wide[v:] == float("-inf")).all())
+            if tok is None:
+                break
+            m.advance(tok)
+            if rng.random() < 0.5:
+                m = m.copy()  # a fork shares the step mask
+        assert m.is_finished() and m.allowed_token_ids() == [eos]
+
+
+def test_a_stopped_matcher_masks_eos_only_without_computing(cache):
+    """A matcher that stopped (the grammar complete, or EOS taken) gets the shared EOS-only mask at once, the
+    same one llguidance computes there."""
+    import torch
+
+    grammar = cache.compile("regex", "ab")
+    m = grammar.matcher()
+    for tok in cache.tokenizer.encode("ab", add_special_tokens=False):
+        m.advance(tok)
+    assert m.is_finished() and not m.terminated
+    assert m._next is grammar.compiler.eos_step
+    assert torch.equal(grammar.compiler.allowed(grammar.compiler.mask_key(m.matcher.compute_bitmask())),
+                       grammar.compiler.allowed(None))
+    m.advance(cache.tokenizer.eos_token_id)
+    assert m.terminated and m._next is grammar.compiler.eos_step
+    row = torch.zeros(cache.vocab_size)
+    m.fill_mask(row)
+    assert torch.nonzero(row == 0).flatten().tolist() == [cache.tokenizer.eos_token_id]

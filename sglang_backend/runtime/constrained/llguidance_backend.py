@@ -177,6 +177,11 @@ class LLGuidanceCompiler:
         row = _BYTE_TO_BIASES.index_select(0, packed).view(-1)[:self.vocab_size]
         return row.to(device=device, dtype=dtype)
 
+    @functools.cached_property
+    def eos_step(self) -> "_StepMask":
+        """The mask of a stopped matcher: EOS ids only (llguidance's mask there allows its one EOS id)."""
+        return _StepMask(None, self.additive_mask(None, "cpu", torch.float32))
+
     def allowed(self, key: bytes | None) -> torch.Tensor:
         """Boolean [vocab_size] from the mask ``key`` (``mask_key``'s; None: EOS only)."""
         return torch.from_numpy(np.unpackbits(self._packed(key), bitorder="little", count=self.vocab_size).astype(bool))
@@ -284,8 +289,9 @@ class LLGuidanceMatcher:
     Each state change (``advance``, ``advance_text``) reads the cheap answers at once (stopped, accepting, the
     forced bytes) and starts the next mask on a background thread (llguidance drops the GIL while it walks the
     token trie; the 0/-inf row is built or found there too), so it overlaps the model's forward pass, as upstream
-    SGLang overlaps its grammar masks with the GPU. ``fill_mask`` waits for that mask (done by then unless the
-    forward was shorter than the mask) and adds its row: one vectorised add on the scheduler's critical path.
+    SGLang overlaps its grammar masks with the GPU. ``fill_mask`` takes that mask (waiting only if the forward
+    was shorter than the mask) and adds its row: one vectorised add on the scheduler's critical path.
+    A stopped matcher needs no computation: only EOS may follow (``LLGuidanceCompiler.eos_step``).
     The llguidance matcher is touched by one thread at a time: everything that reads it waits for the pending
     mask first. ``grammar.prefetch = False`` computes the mask inside ``fill_mask`` instead."""
 
@@ -308,7 +314,10 @@ class LLGuidanceMatcher:
         self._accepting = self.terminated or m.is_accepting()
         self._ff = b"" if self._stopped else m.compute_ff_bytes()
         self._next = None
-        if self.grammar.prefetch and not self._stopped:
+        if self._stopped:  # only EOS may follow (unless the parse failed): the mask every grammar shares
+            if self.terminated or not m.is_error():
+                self._next = self.grammar.compiler.eos_step
+        elif self.grammar.prefetch:
             _mask_thread().submit(self)
 
     def _sync(self) -> None:
@@ -351,10 +360,20 @@ class LLGuidanceMatcher:
 
     def fill_mask(self, logits_row: torch.Tensor) -> None:
         """Set the logits of disallowed tokens to -inf, in place (extra columns past the vocab too)."""
+        # The scheduler's CPU row: one add, with as few questions as possible (each costs ~1 us on the cold cache
+        # a forward pass leaves). _next is a _StepMask only once complete, so one there needs no wait on _busy.
+        try:
+            bias = self._next.bias
+        except AttributeError:  # not computed yet (None), or the error computing it (raised by _step_mask)
+            bias = self._step_mask().bias
+        if logits_row.is_cpu:
+            try:
+                logits_row.add_(bias)  # a row of another float dtype takes the float32 row exactly
+                return
+            except RuntimeError:  # not as wide as the vocabulary: below
+                pass
         step = self._step_mask()
-        bias = step.bias
-        if logits_row.device.type != "cpu" or logits_row.dtype != torch.float32:
-            bias = self.grammar.compiler.additive_mask(step.key, str(logits_row.device), logits_row.dtype)
+        bias = self.grammar.compiler.additive_mask(step.key, str(logits_row.device), logits_row.dtype)
         v = bias.shape[0]
         width = logits_row.shape[-1]
         if width == v:  # no slicing on the common path (two views cost more than the add)
