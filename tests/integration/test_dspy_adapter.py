@@ -198,3 +198,37 @@ def test_fewshot_reuse_near_optimal_and_hints_help(engine_lm):
     assert hinted["request_hit_rate"] > plain["request_hit_rate"]
     assert hinted["min_cached_tokens"] > 0 and plain["min_cached_tokens"] == 0
     engine_lm.runtime.check_pool_whole()
+
+
+def test_streamify_yields_token_chunks_as_they_decode(lm):
+    """dspy.streamify with a listener on the answer field: several chunks (not one replayed response), which put
+    together are the final answer; the engine's own events are text pieces, one per decoded step or so."""
+    from dspy.streaming import StreamListener, StreamResponse
+
+    program = dspy.Predict("question -> answer")
+    streamed = dspy.streamify(program, stream_listeners=[StreamListener(signature_field_name="answer")],
+                              async_streaming=False)
+    with dspy.context(lm=lm.copy(max_tokens=48)):
+        outputs = list(streamed(question="Name three colors of the rainbow."))
+    chunks = [o.chunk for o in outputs if isinstance(o, StreamResponse)]
+    final = [o for o in outputs if isinstance(o, dspy.Prediction)]
+    assert final and final[-1].answer and final[-1].answer != "{answer}"  # not the prompt's placeholder
+    assert len(chunks) >= 3, chunks
+    assert "".join(chunks).strip() == final[-1].answer.strip()
+
+
+def test_engine_stream_events_are_pieces_of_the_complete_reply(lm):
+    """SGLangEngine.stream: start, many text deltas, end with usage; the deltas add up to what complete() returns
+    for the same greedy request."""
+    from dspy.lm15 import Config, Message, Request
+
+    engine = lm._engine_spec
+    request = Request(model=lm.model, messages=(Message.user("Count from one to ten in words."),),
+                      config=Config(max_tokens=32, temperature=0))
+    events = list(engine.stream(request))
+    assert events[0].type == "start" and events[-1].type == "end"
+    deltas = [e.delta.text for e in events if e.type == "delta"]
+    assert len(deltas) >= 5
+    whole = engine.complete(request).message.parts[0].text
+    assert "".join(deltas) == whole
+    assert events[-1].usage.output_tokens > 0

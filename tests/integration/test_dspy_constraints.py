@@ -62,6 +62,27 @@ def test_chat_adapter_sections_become_a_regex():
     assert parsed == {"doubled": 24, "is_even": True, "size": "large", "digits": [1, 2]}
 
 
+def test_chat_adapter_text_fields_cannot_be_the_prompts_placeholder():
+    """DSPy's ChatAdapter prompt shows ``{answer}`` where the value goes; SmolLM2-135M copied it as the answer
+    (``Prediction(answer='{answer}')``), and variants such as ``{answer, completed}`` once that one alone was ruled
+    out. A free-text value may not start with "{" (nor "[" or a space); typed fields keep their own forms."""
+    req = _requests(dspy.Predict("question -> answer, next_thought"), dspy.ChatAdapter(), question="hi")[0]
+    regex = constraint_for(req.system, req.messages[-1].text, req.config.response_format, 40, 3)["regex"]
+
+    def reply(answer: str, thought: str = "ok") -> str:
+        return f"[[ ## answer ## ]]\n{answer}\n\n[[ ## next_thought ## ]]\n{thought}\n\n[[ ## completed ## ]]"
+
+    for bad in ("{answer}", "{answer, completed}", "{ answer }"):
+        assert not _full(regex, reply(bad)), bad
+    assert not _full(regex, reply("Paris", "{next_thought}"))
+    for fine in ("Paris", "Paris {the capital}", "a" * 40):
+        assert _full(regex, reply(fine)), fine
+    assert not _full(regex, reply("a" * 41))  # max_string_length still holds
+    typed = constraint_for(_requests(dspy.Predict("q -> d: dict[str, int]"), dspy.ChatAdapter(), q="hi")[0].system,
+                           None, None, 40, 3)["regex"]
+    assert _full(typed, '[[ ## d ## ]]\n{"a": 1}\n\n[[ ## completed ## ]]')  # a dict still opens with "{"
+
+
 def test_json_object_fallback_gets_the_signature_schema_and_react_tool_args():
     def word_length(word: str) -> str:
         """Returns the number of letters in a word."""

@@ -163,8 +163,10 @@ def _chat_value_regex(type_name: str, max_string_length: int | None, max_items: 
             return "(?:" + "|".join(re.escape(str(v)) for v in schema["enum"]) + ")"
     if t.startswith(("list", "dict", "ToolCalls")):
         return build_regex_from_schema(type_schema(t, max_string_length, max_items))
-    # Free text: one line (a newline ends the field), at least one visible character.
-    return r"[^\n\[ ][^\n]" + ("{0,%d}" % (max_string_length - 1) if max_string_length else "*")
+    # Free text: one line (a newline ends the field), at least one visible character, not starting with "[", a
+    # space or "{": the prompt shows "{answer}" where a value goes, and small models copy it, or variants of it
+    # ("{answer, completed}"), as the answer.
+    return r"[^\n\[ {][^\n]" + ("{0,%d}" % (max_string_length - 1) if max_string_length else "*")
 
 
 def chat_regex(fields: list[tuple[str, str]], max_string_length: int | None, max_items: int | None,

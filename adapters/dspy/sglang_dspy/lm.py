@@ -38,6 +38,10 @@ from dspy.lm15 import (
     Message,
     Response,
     ServerError,
+    StreamDeltaEvent,
+    StreamEndEvent,
+    StreamStartEvent,
+    TextDelta,
     TextPart,
     TokenLogprob,
     ToolCallPart,
@@ -48,6 +52,7 @@ from dspy.lm15 import (
     response_to_events,
 )
 from sglang_backend import Engine
+from sglang_backend.utils import iterate_in_thread
 
 from .constraints import constraint_for, parse_tool_calls, tools_prompt, with_tool_calls
 
@@ -182,7 +187,8 @@ class _EngineBackend:
         self.hints.run_once(_key(ids), lambda: self.runtime.generate(input_ids=list(ids),
                                                                      sampling_params={"max_new_tokens": 0}))
 
-    def generate(self, messages: list[dict], sp: dict, n: int, top_logprobs: int | None, hints: bool) -> list[_Branch]:
+    def _prompt(self, messages: list[dict], sp: dict, hints: bool) -> tuple[list[int], int]:
+        """(the prompt's ids, how many of them a prefix hint covers), the hint sent if it helps."""
         ids = self._ids(messages, True)
         want = sp.get("max_new_tokens") or 0
         ctx = int(self.runtime.context_len)
@@ -198,6 +204,30 @@ class _EngineBackend:
                 if _MIN_HINT_TOKENS <= common < len(ids):
                     self._hint(ids[:common])
                     hinted = common
+        return ids, hinted
+
+    def stream(self, messages: list[dict], sp: dict, hints: bool):
+        """The text pieces of one generation as they decode, then its ``_Branch`` (text: the whole reply)."""
+        ids, _ = self._prompt(messages, sp, hints)
+        try:
+            chunks = self.runtime.generate(input_ids=ids, sampling_params=sp, stream=True)
+            text, meta = "", {}
+            for chunk in chunks:
+                meta = chunk["meta_info"]
+                if chunk["text"]:
+                    text += chunk["text"]
+                    yield chunk["text"]
+        except ValueError as e:
+            if _is_context_error(str(e)):
+                raise ContextLengthError(str(e), provider="sglang") from e
+            raise InvalidRequestError(str(e), provider="sglang") from e
+        fr = meta.get("finish_reason")
+        fr = fr.get("type") if isinstance(fr, dict) else fr
+        yield _Branch(text, "length" if fr == "length" else "stop", meta.get("prompt_tokens", len(ids)),
+                      meta.get("completion_tokens", 0), meta.get("cached_tokens", 0))
+
+    def generate(self, messages: list[dict], sp: dict, n: int, top_logprobs: int | None, hints: bool) -> list[_Branch]:
+        ids, hinted = self._prompt(messages, sp, hints)
         if n > 1:  # the fork: the whole prompt once, then n branches that all start from it
             self.runtime.generate(input_ids=list(ids), sampling_params={"max_new_tokens": 0})
         want_lp = top_logprobs is not None
@@ -259,15 +289,20 @@ class _HTTPBackend:
         except httpx.HTTPError as e:
             raise ServerError(f"sglang server unreachable: {e}", provider="sglang") from e
         if r.status_code >= 400:
-            try:
-                msg = r.json().get("error", {}).get("message") or r.text
-            except Exception:
-                msg = r.text
-            if r.status_code == 400 and _is_context_error(str(msg)):
-                raise ContextLengthError(str(msg), provider="sglang", status=400)
-            cls = InvalidRequestError if r.status_code < 500 else ServerError
-            raise cls(f"{path}: {msg}", provider="sglang", status=r.status_code)
+            self._raise_for(r, path)
         return r.json()
+
+    @staticmethod
+    def _raise_for(r, path: str) -> None:
+        """The DSPy error for an error reply (400 context overflow, other 4xx, 5xx)."""
+        try:
+            msg = r.json().get("error", {}).get("message") or r.text
+        except Exception:
+            msg = r.text
+        if r.status_code == 400 and _is_context_error(str(msg)):
+            raise ContextLengthError(str(msg), provider="sglang", status=400)
+        cls = InvalidRequestError if r.status_code < 500 else ServerError
+        raise cls(f"{path}: {msg}", provider="sglang", status=r.status_code)
 
     def _hint(self, messages: list[dict]) -> None:
         # A 1-token call over the shared messages caches their rendering; continue_final_message keeps a
@@ -276,13 +311,43 @@ class _HTTPBackend:
         self.hints.run_once(_key(["p", messages]), lambda: self._post("/v1/chat/completions", {
             "messages": messages, "max_tokens": 1, "temperature": 0, "continue_final_message": cont}))
 
-    def generate(self, messages: list[dict], sp: dict, n: int, top_logprobs: int | None, hints: bool) -> list[_Branch]:
+    def _send_hint(self, messages: list[dict], hints: bool) -> None:
         if hints:
             prefix = _shared_prefix(messages)
             if prefix and sum(len(m["content"]) for m in prefix) >= 4 * _MIN_HINT_TOKENS:
                 self._hint(prefix)
-        if n > 1:  # the fork: the whole prompt once; the server then runs one request's n branches from it
-            self._post("/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0})
+
+    def stream(self, messages: list[dict], sp: dict, hints: bool):
+        """The text pieces of one generation as the server streams them, then its ``_Branch``."""
+        import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
+
+        self._send_hint(messages, hints)
+        body = {**self._body(messages, sp, 1, None), "stream": True, "stream_options": {"include_usage": True}}
+        text, finish, usage = "", "stop", {}
+        try:
+            with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    self._raise_for(r, "/v1/chat/completions")
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    usage = event.get("usage") or usage
+                    for c in event.get("choices") or ():
+                        piece = (c.get("delta") or {}).get("content")
+                        if piece:
+                            text += piece
+                            yield piece
+                        if c.get("finish_reason"):
+                            finish = "length" if c["finish_reason"] == "length" else "stop"
+        except httpx.HTTPError as e:
+            raise ServerError(f"sglang server unreachable: {e}", provider="sglang") from e
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        yield _Branch(text, finish, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), cached)
+
+    @staticmethod
+    def _body(messages: list[dict], sp: dict, n: int, top_logprobs: int | None) -> dict:
         body: dict[str, Any] = {"messages": messages, "n": n}
         for ours, theirs in (("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                              ("top_k", "top_k"), ("stop", "stop"), ("seed", "seed"),
@@ -296,7 +361,13 @@ class _HTTPBackend:
         if top_logprobs is not None:
             body["logprobs"] = True
             body["top_logprobs"] = top_logprobs
-        resp = self._post("/v1/chat/completions", body)
+        return body
+
+    def generate(self, messages: list[dict], sp: dict, n: int, top_logprobs: int | None, hints: bool) -> list[_Branch]:
+        self._send_hint(messages, hints)
+        if n > 1:  # the fork: the whole prompt once; the server then runs one request's n branches from it
+            self._post("/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0})
+        resp = self._post("/v1/chat/completions", self._body(messages, sp, n, top_logprobs))
         u = resp.get("usage") or {}
         prompt = u.get("prompt_tokens", 0)
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -452,7 +523,22 @@ class SGLangEngine:
         return responses[0]
 
     def stream(self, request):
-        return response_to_events(self.complete(request))
+        """Token pieces as they decode (one text part). Tool calls, logprobs and forks (n > 1) are read whole,
+        then replayed as events."""
+        fork = _FORK.get()
+        if self._tools(request) or request.config.logprobs is not None or (fork is not None and fork.n > 1):
+            yield from response_to_events(self.complete(request))
+            return
+        messages = self._messages(request)
+        pieces = self.backend.stream(messages, self._sampling(request, messages), self.prefix_hints)
+        yield StreamStartEvent(id=f"chatcmpl-{uuid.uuid4().hex}", model=request.model)
+        for piece in pieces:
+            if isinstance(piece, _Branch):
+                usage = Usage(input_tokens=piece.prompt_tokens, output_tokens=piece.completion_tokens,
+                              cache_read_tokens=piece.cached_tokens)
+                yield StreamEndEvent(finish_reason=piece.finish, usage=usage)
+            else:
+                yield StreamDeltaEvent(delta=TextDelta(text=piece, part_index=0))
 
     def close(self) -> None:
         pass  # the runtime is shared by every SGLangLM over it
@@ -472,7 +558,7 @@ class AsyncSGLangEngine:
         return await asyncio.to_thread(self.sync.complete, request)
 
     async def stream(self, request):
-        for event in await asyncio.to_thread(lambda: list(self.sync.stream(request))):
+        async for event in iterate_in_thread(self.sync.stream(request)):  # each event as it comes
             yield event
 
     async def aclose(self) -> None:
