@@ -243,13 +243,20 @@ class Engine:
                 return payload
 
     def _stream(self, h: _Request) -> Iterator[dict]:
-        while True:
-            kind, payload = h.queue.get()
-            if kind == "error":
-                raise payload
-            yield payload
-            if kind == "done":
-                return
+        done = False
+        try:
+            while True:
+                kind, payload = h.queue.get()
+                if kind == "error":
+                    done = True
+                    raise payload
+                done = kind == "done"
+                yield payload
+                if done:
+                    return
+        finally:
+            if not done:  # the consumer stopped early (closed the iterator): the request stops too, its KV freed
+                self.abort_request(h.rid)
 
     def _deliver(self, msg: StrOut) -> None:
         h = self._handles.get(msg.rid)

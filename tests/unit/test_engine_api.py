@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
@@ -205,3 +206,21 @@ def test_parallel_sampling_n(tiny_engine):
             tiny_engine.generate("Hi", {"max_new_tokens": 2, **bad})
     with pytest.raises(ValueError, match="single sample"):
         tiny_engine.generate("Hi", {"max_new_tokens": 2, "n": 2}, stream=True)
+
+
+def test_closing_a_stream_early_aborts_its_request(tiny_engine):
+    """A consumer that stops reading a stream (closes the iterator) stops the request: it does not decode on to
+    max_new_tokens, and its KV goes back to the pool."""
+    budget = tiny_engine.context_len - 8
+    before = tiny_engine.get_stats()
+    stream = tiny_engine.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": budget, "temperature": 0,
+                                                                        "ignore_eos": True}, stream=True)
+    next(stream)
+    stream.close()
+    deadline = time.monotonic() + 60
+    while tiny_engine.get_stats()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = tiny_engine.get_stats()
+    assert after["num_aborted"] == before["num_aborted"] + 1
+    assert after["num_generated_tokens"] - before["num_generated_tokens"] < budget
+    tiny_engine.check_pool_whole()
