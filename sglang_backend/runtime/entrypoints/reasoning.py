@@ -14,6 +14,8 @@ may be the start of a tag. Both are plain (no server state): the DSL's ``separat
 
 from __future__ import annotations
 
+from ..managers.detokenizer_manager import partial_stop_suffix_len
+
 PARSERS = ("none", "deepseek-r1", "qwen3")
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -31,14 +33,6 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
     reasoning = "".join(r for r, _ in parts)
     content = "".join(c for _, c in parts)
     return (reasoning.strip() or None) if p.had_reasoning else None, content
-
-
-def _partial_tag_at_end(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that could begin ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningStreamParser:
@@ -87,7 +81,7 @@ class ReasoningStreamParser:
             out, self.buf, self.state = self.buf[:at].rstrip(), self.buf[at + len(CLOSE):], "content"
             self.after_close = True
             return out, "", True
-        keep = 0 if final else _partial_tag_at_end(self.buf, CLOSE)
+        keep = 0 if final else partial_stop_suffix_len(self.buf, [CLOSE])
         out = self.buf[:len(self.buf) - keep]
         out = out.rstrip() if final else out[:len(out.rstrip())]
         self.buf = "" if final else self.buf[len(out):]

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from ..constrained import budget as grammar_budget
 from ..constrained.json_schema import build_regex_from_schema
 from ..constrained.llguidance_backend import check_repeats, regex_to_lark_grammar
+from ..managers.detokenizer_manager import partial_stop_suffix_len
 from .errors import APIError
 
 FORMATS = ("hermes", "llama3", "mistral")
@@ -367,14 +368,6 @@ def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[dict]]:
     return (content or None) if parser.calls else (content if content else None), parser.calls
 
 
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that could begin ``marker`` (held back until more text comes)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 def _scan_object(text: str, start: int) -> tuple[int | None, dict]:
     """Scans the JSON object at ``text[start] == "{"``: (its end, or None while incomplete; spans of its
     top-level string values and of its object values by key: {key: (value start, value end or None)})."""
@@ -447,7 +440,7 @@ class ToolCallStreamParser:
         if at >= 0:
             text, self.buf, self.in_calls = self.buf[:at], self.buf[at + len(self.trigger):], True
         else:
-            keep = 0 if final else _held_back(self.buf, self.trigger)
+            keep = 0 if final else partial_stop_suffix_len(self.buf, [self.trigger])  # held back until more comes
             text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
         self.seen_text = self.seen_text or bool(text.strip())
         if self.calls and not text.strip():  # the layout between and after calls is no content
