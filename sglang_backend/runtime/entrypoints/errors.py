@@ -65,6 +65,14 @@ def validation_error_fields(errors: list) -> tuple[str, str | None]:
     return f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None
 
 
+def ended_by_pipeline(finish_reason: dict, default_message: str) -> APIError:
+    """The error for a request the pipeline ended (an abort finish reason): its own status, the client's error
+    (4xx, say nothing left to sample) or ours (5xx)."""
+    status = finish_reason.get("status_code", 500)
+    return APIError(finish_reason.get("message", default_message), status,
+                    "server_error" if status >= 500 else "invalid_request_error")
+
+
 def http_error_type(status: int) -> str:
     return "not_found_error" if status == 404 else "invalid_request_error"
 

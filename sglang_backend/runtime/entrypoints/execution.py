@@ -15,7 +15,7 @@ from ..managers.io_struct import PoolingParams
 from ..managers.request_frontend import embedding_result
 from ..managers.tokenizer_manager import GenerateInput, TokenizerManager
 from .app_context import AppContext
-from .errors import APIError, preparation_error
+from .errors import APIError, ended_by_pipeline, preparation_error
 from .preparation import PreparationAborted
 from .request_parsing import check_count, request_owner
 
@@ -106,6 +106,5 @@ async def run_embeddings(ctx: AppContext, request: Request, prompts: list, dimen
     for out in outs:
         fr = out["meta_info"].get("finish_reason") or {}
         if "embedding" not in out["meta_info"]:  # ended without one (an abort the scheduler answered)
-            raise APIError(fr.get("message", "the request ended without an embedding"), fr.get("status_code", 500),
-                           "server_error" if fr.get("status_code", 500) >= 500 else "invalid_request_error")
+            raise ended_by_pipeline(fr, "the request ended without an embedding")
     return [embedding_result(out) for out in outs]

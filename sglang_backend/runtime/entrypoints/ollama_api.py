@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ..managers.validation import MAX_PROMPT_CHARS_PER_TOKEN, check_text
 from .app_context import AppContext, get_context
-from .errors import APIError, response_for
+from .errors import APIError, ended_by_pipeline, response_for
 from .execution import off_loop, prepare_all, render_chat_prompt, run_all, run_embeddings
 from .ollama_protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaGenerateRequest,
                               OllamaShowRequest)
@@ -177,9 +177,7 @@ def tokenize_prompt(ctx: AppContext, text: str, add_special_tokens: bool, contex
 def done_reason(out: dict) -> str:
     fr = out["meta_info"].get("finish_reason") or {}
     if fr.get("type") == "abort":  # ended by the pipeline (say, nothing left to sample): the client's error or ours
-        status = fr.get("status_code", 500)
-        raise APIError(fr.get("message", "the request was aborted"), status,
-                       "server_error" if status >= 500 else "invalid_request_error")
+        raise ended_by_pipeline(fr, "the request was aborted")
     return "length" if fr.get("type") == "length" else "stop"
 
 

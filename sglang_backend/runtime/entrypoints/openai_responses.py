@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..managers.validation import check_text
 from .app_context import AppContext
-from .errors import APIError, error_body, validation_error_fields
+from .errors import APIError, ended_by_pipeline, error_body, validation_error_fields
 from .execution import off_loop, prepare_all, run_all
 from .openai_chat import ChatOutput, ChatTools, DeltaReader, chat_sampling_params, prepare_chat
 from .openai_common import read_openai_request, without_stop_token
@@ -405,9 +405,7 @@ def finish_status(out: dict) -> str:
     """completed, or incomplete when the length limit cut the output; an abort is the client's error or ours."""
     fr = out["meta_info"].get("finish_reason") or {}
     if fr.get("type") == "abort":
-        status = fr.get("status_code", 500)
-        raise APIError(fr.get("message", "the request was aborted"), status,
-                       "server_error" if status >= 500 else "invalid_request_error")
+        raise ended_by_pipeline(fr, "the request was aborted")
     return "incomplete" if fr.get("type") == "length" else "completed"
 
 
