@@ -65,3 +65,76 @@ def test_every_sampled_output_matches(model, request):
     finally:
         engine.scheduler.server_args.disable_jump_forward = False
         engine.shutdown()
+
+
+# Forced (jump-forward) tokens carry the model's logprobs, one entry per output token ------------------------------
+FORCING_REGEX = r'\{"name": "[A-Za-z]{1,8}", "house": "(Gryffindor|Slytherin)", "wand": "(oak|yew)"\}'
+
+
+def scored_by_prefill(engine, prompt_ids: list[int], output_ids: list[int], top: int) -> dict:
+    """The model's logprobs of ``output_ids`` after the prompt, as prompt logprobs of one prefill-only request."""
+    out = engine.generate(input_ids=prompt_ids + output_ids, sampling_params={"max_new_tokens": 0},
+                          return_logprob=True, logprob_start_len=len(prompt_ids), top_logprobs_num=top)
+    return out["meta_info"]
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"chunked_prefill_size": 4}, {"page_size": 4}],
+                         ids=["plain", "chunked", "paged"])
+def test_forced_tokens_carry_the_models_logprobs(tiny_gqa_dir, engine_args):
+    engine = make_engine(tiny_gqa_dir, **engine_args)
+    try:
+        prompt_ids = engine.tokenizer.encode("The character:\n")
+        sp = {"max_new_tokens": 60, "temperature": 0, "regex": FORCING_REGEX}
+        jumps = engine.scheduler.stats.num_jump_forward_tokens
+        out = engine.generate(input_ids=prompt_ids, sampling_params=sp, return_logprob=True, top_logprobs_num=3)
+        assert engine.scheduler.stats.num_jump_forward_tokens - jumps >= 10  # most of the output was forced
+        meta, ids = out["meta_info"], out["output_ids"]
+        assert re.fullmatch(FORCING_REGEX, out["text"]), out["text"]
+        assert [t for _, t, *_ in meta["output_token_logprobs"]] == ids
+        assert len(meta["output_top_logprobs"]) == len(ids)
+        ref = scored_by_prefill(engine, prompt_ids, ids, 3)
+        for (lp, tid, *_), (ref_lp, ref_tid, *_) in zip(meta["output_token_logprobs"], ref["input_token_logprobs"]):
+            assert tid == ref_tid and lp == pytest.approx(ref_lp, abs=1e-4), (tid, lp, ref_lp)
+        for top, ref_top in zip(meta["output_top_logprobs"], ref["input_top_logprobs"]):
+            assert [t for _, t, *_ in top] == [t for _, t, *_ in ref_top]
+
+        # Streamed, the pieces add up to the same entries (a re-tokenized tail's entries are re-sent).
+        chunks = list(engine.generate(input_ids=prompt_ids, sampling_params=sp, return_logprob=True, stream=True))
+        assert chunks[-1]["output_ids"] == ids
+        assert [t for _, t, *_ in chunks[-1]["meta_info"]["output_token_logprobs"]] == ids
+        engine.check_pool_whole()
+    finally:
+        engine.shutdown()
+
+
+def test_a_streamed_retokenized_tail_resends_its_logprob_entries():
+    """Jump-forward may re-tokenize output tokens a stream already sent (with their logprobs): the next message
+    tells the front-end to keep only the ids before the rewrite, and its logprob entries follow the same cut."""
+    from sglang_backend.runtime.managers.io_struct import StrOut
+    from sglang_backend.runtime.managers.request_frontend import RequestState
+    from sglang_backend.runtime.managers.schedule_batch import Req
+    from sglang_backend.runtime.managers.scheduler_output import OutputCollector
+    from sglang_backend.runtime.sampling_params import SamplingParams
+
+    req = Req("r", [5, 6], SamplingParams(), return_logprob=True, stream=True)
+    collector, state = OutputCollector(), RequestState("r", None, stream=True)
+
+    def step():
+        msg = collector.delta(req)
+        state.merge(StrOut(msg.rid, "", msg.new_ids, msg.keep_len, msg.finished_reason, msg.meta))
+
+    req.output_ids += [1, 2, 3]
+    req.output_token_logprobs += [(-0.1, 1), (-0.2, 2), (-0.3, 3)]
+    step()
+    # A jump-forward drops the two last tokens for a re-tokenized [7, 8, 9]; one extend scored 7 so far.
+    del req.output_ids[1:]
+    req.output_ids_rewritten_from = 1
+    del req.output_token_logprobs[1:]
+    req.output_ids += [7, 8, 9]
+    req.output_token_logprobs += [(-0.7, 7)]
+    step()
+    assert state.output_ids == [1, 7, 8, 9]
+    assert [t for _, t in state.meta["output_token_logprobs"]] == [1, 7]
+    req.output_token_logprobs += [(-0.8, 8), (-0.9, 9)]
+    step()
+    assert [t for _, t in state.meta["output_token_logprobs"]] == [1, 7, 8, 9]

@@ -273,8 +273,7 @@ def test_images_go_to_the_openai_backend_as_message_parts(tmp_path):
     assert state.messages()[-1] == {"role": "assistant", "content": "A blue square."}
 
 
-# Still open (the scheduler's jump-forward; see the README table) -------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 28: jump-forward (forced) tokens get no logprob entry; a scheduler fix")
+# Logprobs of jump-forward (forced) tokens (upstream's json_logprobs) -------------------------------------------------
 def test_every_completion_token_of_a_regex_gen_has_a_logprob(backend):
     @sgl.function
     def character(s):
@@ -282,5 +281,7 @@ def test_every_completion_token_of_a_regex_gen_has_a_logprob(backend):
         s += sgl.gen("json", regex=r'\{"name": "[A-Za-z]{1,8}", "house": "(Gryffindor|Slytherin)"\}',
                      max_tokens=40, temperature=0, return_logprob=True)
 
+    jumps = backend.engine.scheduler.stats.num_jump_forward
     meta = character.run().get_meta_info("json")
     assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    assert backend.engine.scheduler.stats.num_jump_forward > jumps  # forced tokens were there to score

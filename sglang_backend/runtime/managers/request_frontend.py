@@ -158,6 +158,8 @@ class RequestState:
         """Adds one message's new ids, text and logprob entries (lists extend, counts are replaced)."""
         if msg.keep_len is not None:
             del self.output_ids[msg.keep_len:]
+            for key in ("output_token_logprobs", "output_top_logprobs"):  # one entry per output id
+                del self.meta.get(key, [])[msg.keep_len:]
         self.output_ids.extend(msg.output_ids)
         self.text = msg.text if not self.stream else self.text + msg.text
         for key, value in msg.meta.items():

@@ -131,12 +131,32 @@ class Req:
             return 0  # mean pooling needs every prompt token's hidden state, so every token is computed
         if not self.input_logprobs_done:
             limit = min(limit, max(self.logprob_start_len - 1, 0))
+        if self.output_logprobs_missing():
+            limit = min(limit, self.first_output_logprob_position())
         return max(limit, 0)
 
     def first_logprob_position(self, prefix_len: int) -> int:
         """The first position of a chunk starting at ``prefix_len`` whose logits score the next prompt token (prompt
         logprobs start at logprob_start_len, scored by the logits one position earlier)."""
         return max(prefix_len, self.logprob_start_len - 1)
+
+    def output_logprobs_missing(self) -> int:
+        """Output tokens without a logprob entry yet: those a jump-forward appended (or re-tokenized). The next
+        extend recomputes the positions before them and scores them, so entries stay one per output token."""
+        if not self.return_logprob:
+            return 0
+        return max(len(self.output_ids) - len(self.output_token_logprobs), 0)
+
+    def first_output_logprob_position(self) -> int:
+        """The position whose logits score the first output token without a logprob entry."""
+        return len(self.origin_input_ids) + len(self.output_token_logprobs) - 1
+
+    def output_logprob_positions(self, prefix_len: int, extend: int) -> range:
+        """Positions of a chunk [prefix_len, prefix_len + extend) whose logits score an output token that has no
+        logprob entry yet (empty unless a jump-forward appended tokens since the last sample)."""
+        if not self.output_logprobs_missing():
+            return range(0)
+        return range(max(prefix_len, self.first_output_logprob_position()), min(prefix_len + extend, self.seq_len - 1))
 
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)

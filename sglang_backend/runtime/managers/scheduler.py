@@ -432,19 +432,28 @@ class Scheduler:
         return extend
 
     @staticmethod
-    def _logprob_rows(req: Req, prefix_len: int, extend: int) -> int:
+    def _prompt_logprob_rows(req: Req, prefix_len: int, extend: int) -> int:
         """Prompt positions of this chunk whose logits score the next prompt token (prompt logprobs)."""
         if req.input_logprobs_done:
             return 0
         first = req.first_logprob_position(prefix_len)
         return max(0, min(prefix_len + extend, len(req.origin_input_ids) - 1) - first)
 
+    @classmethod
+    def _logprob_rows(cls, req: Req, prefix_len: int, extend: int) -> int:
+        """Rows of this chunk whose logits score a token: the next prompt token (prompt logprobs), or an output
+        token a jump-forward appended (``Req.output_logprob_positions``)."""
+        return cls._prompt_logprob_rows(req, prefix_len, extend) + len(req.output_logprob_positions(prefix_len, extend))
+
     def _logprob_cap(self, plan: PrefillPlan, req: Req, prefix_len: int, extend: int) -> int:
-        """``extend`` shortened (to a page boundary) so the chunk's prompt-logprob rows fit the batch's budget: a
-        long prompt asking for logprobs is chunked rather than holding [tokens, vocab] fp32 logits at once."""
+        """``extend`` shortened (to a page boundary) so the chunk's logprob rows fit the batch's budget: a long
+        prompt asking for logprobs is chunked rather than holding [tokens, vocab] fp32 logits at once."""
         if self._logprob_rows(req, prefix_len, extend) <= plan.logprob_budget:
             return extend
-        first = req.first_logprob_position(prefix_len)
+        if req.input_logprobs_done:  # the rows are output tokens a jump-forward appended
+            first = max(prefix_len, req.first_output_logprob_position())
+        else:
+            first = req.first_logprob_position(prefix_len)
         return self._page_floor(max(0, first - prefix_len + plan.logprob_budget), extend)
 
     def _page_floor(self, budget, need: int) -> int:
@@ -502,6 +511,7 @@ class Scheduler:
                 first = req.first_logprob_position(p)
                 last = min(p + e, len(req.origin_input_ids) - 1)
                 rows = [offset + (pos - p) for pos in range(first, last)]
+            rows += [offset + (pos - p) for pos in req.output_logprob_positions(p, e)]
             if not req.is_chunked and req.pooling is None:
                 rows.append(offset + e - 1)  # the last token's logits are sampled (embeddings sample nothing)
             logit_rows.append(rows)
@@ -520,11 +530,14 @@ class Scheduler:
         for req, p, e, rows in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.logit_rows):
             req_logits = logits[row : row + len(rows)]
             row += len(rows)
+            n_prompt = self._prompt_logprob_rows(req, p, e)
+            output_positions = req.output_logprob_positions(p, e)
             if not req.input_logprobs_done:
-                n_prompt = len(rows) - (0 if req.is_chunked else 1)
                 self._add_input_logprobs(req, p, req_logits[:n_prompt])
                 if not req.is_chunked:
                     req.input_logprobs_done = True
+            if output_positions:
+                self._add_output_logprobs(req, output_positions, req_logits[n_prompt : n_prompt + len(output_positions)])
             if req.is_chunked:
                 self._cache_unfinished(req)
                 self.chunked_req = req
@@ -538,7 +551,7 @@ class Scheduler:
                 if req.sampling_params.max_new_tokens == 0 and req.return_logprob and req.top_logprobs_num:
                     # Nothing is sampled, but the next token's top-k is asked for (upstream's cot_decoding
                     # reads output_top_logprobs[0] of a max_tokens=0 gen). Not for a request whose budget ran
-                    # out (a jump-forward filled it): its top-k entries stay one per sampled token.
+                    # out (a jump-forward filled it): its top-k entries stay one per output token.
                     vals, ids = top_logprobs(req_logits[-1:], req.top_logprobs_num)
                     req.output_top_logprobs.append(list(zip(vals[0].tolist(), ids[0].tolist())))
                 req.finished_reason = finish_length(len(req.output_ids))
@@ -579,6 +592,18 @@ class Scheduler:
         if req.top_logprobs_num:
             vals, ids = top_logprobs(logits, req.top_logprobs_num)
             req.input_top_logprobs.extend(list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist()))
+
+    def _add_output_logprobs(self, req: Req, positions: range, logits: torch.Tensor) -> None:
+        """Logprobs (and top-k) of the output tokens a jump-forward appended, from the logits of the positions
+        before them that this extend recomputed: the model's distribution, as for sampled tokens."""
+        start = positions.start + 1 - len(req.origin_input_ids)  # the output index the first row scores
+        # Req.max_prefix_len keeps the first unscored token's position in the extend: entries stay in order.
+        assert start == len(req.output_token_logprobs), (start, len(req.output_token_logprobs))
+        targets = torch.tensor(req.output_ids[start : start + len(logits)], dtype=torch.int64, device=logits.device)
+        req.output_token_logprobs.extend(zip(token_logprobs(logits, targets).tolist(), targets.tolist()))
+        if req.top_logprobs_num:
+            vals, ids = top_logprobs(logits, req.top_logprobs_num)
+            req.output_top_logprobs.extend(list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist()))
 
     # Decode ------------------------------------------------------------------------------------------------
     def run_decode(self) -> list[Req]:
@@ -850,6 +875,9 @@ class Scheduler:
         if n_drop:
             del req.output_ids[-n_drop:]
             req.output_ids_rewritten_from = min(req.output_ids_rewritten_from, len(req.output_ids))
+            # The dropped tokens' logprob entries go too; the next extend scores the re-tokenized tail.
+            del req.output_token_logprobs[len(req.output_ids):]
+            del req.output_top_logprobs[len(req.output_ids):]
         req.output_ids.extend(new_ids)
         self.waiting_queue.insert(0, req)
         self.stats.num_jump_forward += 1

@@ -30,7 +30,11 @@ class OutputCollector:
             meta = {"prompt_tokens": len(req.origin_input_ids), "cached_tokens": req.cached_tokens}
         if req.embedding is not None:  # sent once, with the finish (embedding requests never stream)
             meta["embedding"] = req.embedding
+        keep = min(n_ids, req.output_ids_rewritten_from)  # jump-forward may have re-tokenized a tail
+        req.output_ids_rewritten_from = NOTHING_REWRITTEN
         if req.return_logprob:
+            # Output logprob entries are one per output id: a re-tokenized tail's are re-sent from ``keep`` too.
+            n_out = min(n_out, keep)
             meta["input_token_logprobs"] = req.input_token_logprobs[n_in:]
             meta["output_token_logprobs"] = req.output_token_logprobs[n_out:]
             if req.top_logprobs_num:
@@ -42,8 +46,6 @@ class OutputCollector:
             detok = {"skip_special_tokens": sp.skip_special_tokens,
                      "spaces_between_special_tokens": sp.spaces_between_special_tokens,
                      "stop": sp.stop, "no_stop_trim": sp.no_stop_trim}
-        keep = min(n_ids, req.output_ids_rewritten_from)  # jump-forward may have re-tokenized a tail
-        req.output_ids_rewritten_from = NOTHING_REWRITTEN
         if not finished:
             self.sent[req.rid] = (len(req.output_ids), len(req.input_token_logprobs), len(req.output_token_logprobs))
         return TokenOut(req.rid, req.output_ids[keep:], req.finished_reason, meta, req.stream, detok, keep)
