@@ -43,6 +43,11 @@ __all__ = ["LLGuidanceCompiler", "LLGuidanceGrammar", "LLGuidanceMatcher", "Unsu
            "llguidance_available"]
 
 MAX_CACHED_BIASES = 64  # 0/-inf rows shared by all grammars of one compiler (~200 kB each at 49k tokens)
+# Steps that allow at most this many tokens (or forbid at most SPARSE_MAX_DISALLOWED) are masked by touching only
+# those ids (LLGuidanceMatcher.fill_mask): the dense 0/-inf row, written by the mask thread on another core, costs
+# ~25 us to add on a 2-core host; a fill plus a few hundred scattered writes costs a fraction.
+SPARSE_MAX_ALLOWED = 1024
+SPARSE_MAX_DISALLOWED = 8192
 
 
 class UnsupportedByLLGuidance(ValueError):
@@ -123,6 +128,7 @@ class LLGuidanceCompiler:
             raise ValueError(f"ebnf grammars need a fast tokenizer: {e}") from None
         # additive_mask(mask_bytes, device, dtype): shared by this compiler's grammars, read-only (lru_cache locks).
         self.additive_mask = functools.lru_cache(maxsize=MAX_CACHED_BIASES)(self._build_additive_mask)
+        self.sparse_mask = functools.lru_cache(maxsize=MAX_CACHED_BIASES)(self._build_sparse_mask)
         eos_only = np.zeros(-(-self.vocab_size // 32) * 32, dtype=bool)
         eos_only[[e for e in self.eos_token_ids if 0 <= e < self.vocab_size]] = True
         self._eos_words = np.packbits(eos_only, bitorder="little")
@@ -177,10 +183,24 @@ class LLGuidanceCompiler:
         row = _BYTE_TO_BIASES.index_select(0, packed).view(-1)[:self.vocab_size]
         return row.to(device=device, dtype=dtype)
 
+    def _build_sparse_mask(self, key: bytes | None) -> tuple[bool, np.ndarray] | None:
+        """(True, the allowed ids) where few tokens are allowed, (False, the forbidden ids) where few are forbidden,
+        else None; ``sparse_mask`` caches it."""
+        allowed = self.allowed(key).numpy()
+        n_allowed = int(np.count_nonzero(allowed))
+        if n_allowed <= SPARSE_MAX_ALLOWED:
+            return True, np.flatnonzero(allowed)
+        if self.vocab_size - n_allowed <= SPARSE_MAX_DISALLOWED:
+            return False, np.flatnonzero(~allowed)
+        return None
+
+    def step_mask(self, key: bytes | None) -> "_StepMask":
+        return _StepMask(key, self.additive_mask(key, "cpu", torch.float32), self.sparse_mask(key))
+
     @functools.cached_property
     def eos_step(self) -> "_StepMask":
         """The mask of a stopped matcher: EOS ids only (llguidance's mask there allows its one EOS id)."""
-        return _StepMask(None, self.additive_mask(None, "cpu", torch.float32))
+        return self.step_mask(None)
 
     def allowed(self, key: bytes | None) -> torch.Tensor:
         """Boolean [vocab_size] from the mask ``key`` (``mask_key``'s; None: EOS only)."""
@@ -205,6 +225,7 @@ class LLGuidanceCompiler:
         return self._eos_words if key is None else np.frombuffer(key, dtype=np.uint8)
 
 
+_NEG_INF = np.float32("-inf")
 # _BYTE_TO_BIASES[b] = the 8 additive biases (0 allowed / -inf not) of the 8 tokens whose bits byte b packs.
 _BYTE_TO_BIASES = torch.from_numpy(
     np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
@@ -242,13 +263,31 @@ class LLGuidanceGrammar:
 
 class _StepMask:
     """One step's mask, computed on the mask thread: llguidance's packed words as bytes (every EOS id added where
-    the grammar may end; None: EOS only) and their 0/-inf row on the CPU in float32 (shared, read-only)."""
+    the grammar may end; None: EOS only), their 0/-inf row on the CPU in float32, and where few tokens are allowed
+    or forbidden, those ids (``LLGuidanceCompiler.sparse_mask``; all shared, read-only)."""
 
-    __slots__ = ("key", "bias")
+    __slots__ = ("key", "bias", "sparse", "_bias_np")
 
-    def __init__(self, key: bytes | None, bias: torch.Tensor):
+    def __init__(self, key: bytes | None, bias: torch.Tensor, sparse: tuple[bool, np.ndarray] | None = None):
         self.key = key
         self.bias = bias
+        self.sparse = sparse
+        self._bias_np = bias.numpy()
+
+    def apply(self, row: np.ndarray) -> None:
+        """Masks a CPU row as wide as the vocabulary in place through numpy (no torch dispatch: the mask is on the
+        scheduler's critical path), touching only the few allowed ids after one fill, or the few forbidden ones,
+        or adding the dense 0/-inf row."""
+        sparse = self.sparse
+        if sparse is None:
+            np.add(row, self._bias_np, out=row)
+        elif sparse[0]:
+            ids = sparse[1]
+            kept = row.take(ids)
+            row.fill(_NEG_INF)
+            row[ids] = kept
+        else:
+            row[sparse[1]] = _NEG_INF
 
 
 class _MaskThread:
@@ -295,7 +334,8 @@ class LLGuidanceMatcher:
     The llguidance matcher is touched by one thread at a time: everything that reads it waits for the pending
     mask first. ``grammar.prefetch = False`` computes the mask inside ``fill_mask`` instead."""
 
-    __slots__ = ("grammar", "matcher", "terminated", "num_tokens", "_busy", "_next", "_stopped", "_accepting", "_ff")
+    __slots__ = ("grammar", "matcher", "terminated", "num_tokens", "_busy", "_next", "_stopped", "_accepting", "_ff",
+                 "_row_shape")
 
     def __init__(self, grammar: LLGuidanceGrammar, matcher):
         self.grammar = grammar
@@ -304,6 +344,7 @@ class LLGuidanceMatcher:
         self.num_tokens = 0
         self._busy = threading.Lock()  # held while the mask thread computes this matcher's next mask
         self._next: _StepMask | BaseException | None = None  # that mask (None: compute it when asked)
+        self._row_shape = (grammar.vocab_size,)  # a logits row fill_mask masks through numpy
         self._state_changed()
 
     # -- masks -------------------------------------------------------------------------------------
@@ -326,8 +367,8 @@ class LLGuidanceMatcher:
             pass
 
     def _compute_step_mask(self) -> _StepMask:
-        key = self.grammar.compiler.mask_key(self._mask_bytes())
-        return _StepMask(key, self.grammar.compiler.additive_mask(key, "cpu", torch.float32))
+        compiler = self.grammar.compiler
+        return compiler.step_mask(compiler.mask_key(self._mask_bytes()))
 
     def _step_mask(self) -> _StepMask:
         self._sync()
@@ -360,18 +401,19 @@ class LLGuidanceMatcher:
 
     def fill_mask(self, logits_row: torch.Tensor) -> None:
         """Set the logits of disallowed tokens to -inf, in place (extra columns past the vocab too)."""
-        # The scheduler's CPU row: one add, with as few questions as possible (each costs ~1 us on the cold cache
-        # a forward pass leaves). _next is a _StepMask only once complete, so one there needs no wait on _busy.
-        try:
-            bias = self._next.bias
-        except AttributeError:  # not computed yet (None), or the error computing it (raised by _step_mask)
-            bias = self._step_mask().bias
+        # The scheduler's CPU row: through numpy, with as few questions as possible (each costs ~1 us on the cold
+        # cache a forward pass leaves). _next is a _StepMask only once complete, so one there needs no wait on _busy.
+        step = self._next
+        if step.__class__ is not _StepMask:  # not computed yet (None), or the error computing it (raised here)
+            step = self._step_mask()
         if logits_row.is_cpu:
             try:
-                logits_row.add_(bias)  # a row of another float dtype takes the float32 row exactly
+                row = logits_row.numpy()
+            except (TypeError, RuntimeError):  # a dtype numpy lacks (bf16), or a row that requires grad: below
+                row = None
+            if row is not None and row.shape == self._row_shape:
+                step.apply(row)
                 return
-            except RuntimeError:  # not as wide as the vocabulary: below
-                pass
         step = self._step_mask()
         bias = self.grammar.compiler.additive_mask(step.key, str(logits_row.device), logits_row.dtype)
         v = bias.shape[0]
@@ -443,7 +485,7 @@ class LLGuidanceMatcher:
         self._sync()
         m = LLGuidanceMatcher.__new__(LLGuidanceMatcher)
         m.grammar, m.matcher, m._busy = self.grammar, self.matcher.deep_copy(), threading.Lock()
-        m.terminated, m.num_tokens = self.terminated, self.num_tokens
+        m.terminated, m.num_tokens, m._row_shape = self.terminated, self.num_tokens, self._row_shape
         m._next, m._stopped, m._accepting, m._ff = self._next, self._stopped, self._accepting, self._ff
         return m
 

@@ -537,7 +537,8 @@ class Scheduler:
                 if not req.is_chunked:
                     req.input_logprobs_done = True
             if output_positions:
-                self._add_output_logprobs(req, output_positions, req_logits[n_prompt : n_prompt + len(output_positions)])
+                scored = req_logits[n_prompt : n_prompt + len(output_positions)]
+                self._add_output_logprobs(req, output_positions, scored)
             if req.is_chunked:
                 self._cache_unfinished(req)
                 self.chunked_req = req
