@@ -25,8 +25,8 @@ pytest.importorskip("langchain_tests")
 pytest.importorskip("pytest_asyncio")
 
 from langchain_core.load import dumpd, load  # noqa: E402
-from langchain_core.messages import AIMessage  # noqa: E402
-from langchain_core.output_parsers import StrOutputParser  # noqa: E402
+from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser, StrOutputParser  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnableParallel  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
@@ -199,6 +199,63 @@ def test_chain_prompt_model_parser(engine_llm):
     assert "Paris" in outs[0] and "Rome" in outs[1]
 
 
+class Review(BaseModel):
+    """A short product review."""
+    product: str = Field(description="what is reviewed")
+    stars: int = Field(description="1 to 5")
+    pros: list[str]
+    recommended: bool
+
+
+def test_output_parser_downstream_always_parses(smollm_engine):
+    """``prompt | llm | PydanticOutputParser``, plain LangChain (no structured-output call): the parser's format
+    instructions in the prompt become the generation constraint, so 50 samples at temperature 1 all parse."""
+    register_engine(smollm_engine)
+    try:
+        parser = PydanticOutputParser(pydantic_object=Review)
+        prompt = ChatPromptTemplate.from_messages([
+            ("system", "Answer the user query.\n{format_instructions}"),
+            ("human", "Review {product} for me.")]).partial(format_instructions=parser.get_format_instructions())
+        llm = ChatSGLang(model=MODEL_NAME, temperature=1.0, max_tokens=16, constrained_max_string_length=24)
+        products = ["a kettle", "a bicycle", "a laptop", "running shoes", "a tent"] * 10
+        reviews = (prompt | llm | parser).batch([{"product": p} for p in products])
+        assert len(reviews) == 50 and all(isinstance(r, Review) for r in reviews)
+        assert len({r.model_dump_json() for r in reviews}) > 10  # sampled, not one answer repeated
+
+        # JsonOutputParser with a model: the same instructions; a later free-text turn is not constrained.
+        json_parser = JsonOutputParser(pydantic_object=Review)
+        asked = [("system", json_parser.get_format_instructions()), ("human", "Review a lamp.")]
+        assert set((llm | json_parser).invoke(asked)) == {"product", "stars", "pros", "recommended"}
+        later = [HumanMessage("Review a lamp.\n" + parser.get_format_instructions()), AIMessage("{}"),
+                 HumanMessage("Now say hello.")]
+        assert "json_schema" not in llm._prepare(later, None).sampling
+        bare = [HumanMessage("Review a lamp. " + JsonOutputParser().get_format_instructions())]
+        assert json.loads(llm._prepare(bare, None).sampling["json_schema"]) == {"type": "object"}
+        assert "json_schema" not in llm.model_copy(update={"constrain_format_instructions": False})._prepare(
+            later[:1], None).sampling
+    finally:
+        unregister_engine()
+
+
+def check_choices(result, n: int, top: int) -> None:
+    """``n`` completions, each with one OpenAI-shaped logprob entry per token that spells its text."""
+    gens = result.generations[0]
+    assert len(gens) == n
+    for g in gens:
+        content = g.message.response_metadata["logprobs"]["content"]
+        assert content and all(e["logprob"] <= 0 and len(e["top_logprobs"]) == top for e in content)
+        assert b"".join(bytes(e["bytes"]) for e in content).decode() == g.message.content
+
+
+def test_n_and_logprobs_in_process(engine_llm):
+    llm = engine_llm.model_copy(update={"n": 3, "temperature": 1.0, "logprobs": True, "top_logprobs": 2})
+    check_choices(llm.generate([[HumanMessage("Name a color.")]]), 3, 2)
+    one = engine_llm.invoke("Name a color.", logprobs=True)  # bound per call, as ChatOpenAI takes it
+    assert one.response_metadata["logprobs"]["content"][0]["top_logprobs"] == []
+    with pytest.raises(ValueError, match="n must be 1 when streaming"):
+        list(llm.stream("Name a color."))
+
+
 def test_batch_sends_common_prefix_first(engine_llm, smollm_engine):
     system = f"[{uuid.uuid4().hex}] " + "You are a careful geography assistant. " * 12
     inputs = [[("system", system), ("human", f"Capital of {c}?")] for c in ("France", "Spain", "Italy")]
@@ -293,6 +350,17 @@ async def test_server_async_tools_structured(server_llm):
     assert len(outs) == 2
     pieces = [c.content async for c in server_llm.astream("Say hello.")]
     assert "".join(pieces)
+
+
+def test_n_and_logprobs_over_the_server_match_chat_openai(server, server_llm):
+    llm = server_llm.model_copy(update={"n": 2, "temperature": 1.0, "logprobs": True, "top_logprobs": 3})
+    check_choices(llm.generate([[HumanMessage("Name a color.")]]), 2, 3)
+    openai_llm = pytest.importorskip("langchain_openai").ChatOpenAI(
+        base_url=server.url + "/v1", api_key=server.api_key, model="any", temperature=0, max_tokens=16)
+    ours = server_llm.invoke("Name a color.", logprobs=True, top_logprobs=2).response_metadata["logprobs"]
+    theirs = openai_llm.invoke("Name a color.", logprobs=True, top_logprobs=2).response_metadata["logprobs"]
+    assert [e["token"] for e in ours["content"]] == [e["token"] for e in theirs["content"]]
+    assert ours["content"][0]["top_logprobs"] == theirs["content"][0]["top_logprobs"]
 
 
 def test_runnable_parallel_branches_share_prefix(server, server_llm):

@@ -14,6 +14,8 @@ What LangChain features compile into on our runtime:
   ``{"name": <tool>, "arguments": <that tool's parameters>}`` so the model always emits a valid call;
 * ``with_structured_output`` (json_schema, function_calling, json_mode) -> JSON-schema constrained decoding,
   so the output always parses;
+* an output parser's JSON format instructions in the prompt (``prompt | llm | PydanticOutputParser``) -> the same
+  constraint, with no structured-output call in user code (``format_instructions``);
 * ``batch``/``abatch`` -> the inputs' common prefix is sent first with ``max_new_tokens=0`` (a fork hint) so it is
   prefilled once and every branch reuses it from the radix cache; concurrent branches over one prompt
   (``RunnableParallel``) share it through the radix cache and the scheduler's in-batch prefix dedup.
@@ -56,6 +58,8 @@ from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
+
+from .format_instructions import schema_in_format_instructions
 
 # Strings and arrays without bounds get these caps inside *constraints* (never in what the user sees as the
 # schema): a small model can otherwise loop inside one string until the token budget ends and the JSON is cut.
@@ -229,6 +233,19 @@ def _to_chat(messages: Sequence[BaseMessage], system_extra: str | None) -> list[
     return merged
 
 
+def _openai_logprobs(meta_info: dict) -> dict:
+    """The engine's output logprobs ((logprob, id, text) entries) in OpenAI's chat shape."""
+    def entry(logprob: float, text: str | None) -> dict:
+        return {"token": text or "", "logprob": logprob, "bytes": list((text or "").encode("utf-8"))}
+
+    tops = meta_info.get("output_top_logprobs") or []
+    content = []
+    for i, (logprob, _, text) in enumerate(meta_info.get("output_token_logprobs") or []):
+        alternatives = tops[i] if i < len(tops) and tops[i] else []
+        content.append({**entry(logprob, text), "top_logprobs": [entry(lp, t) for lp, _, t in alternatives]})
+    return {"content": content}
+
+
 def _common_prefix(items: list) -> list:
     if not items:
         return []
@@ -250,6 +267,9 @@ class _Request(BaseModel):
     model: str
     tool_names: list[str] = []
     force_tool: bool = False
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
     whole: bool = False  # streamed as one final chunk (tool calls, structured outputs: they must parse whole)
 
 
@@ -286,11 +306,23 @@ class ChatSGLang(BaseChatModel):
     max_retries: int = 2
     """Retries of a server request on connection errors and 5xx answers."""
     streaming: bool = False
+    n: int = 1
+    """Completions per prompt, as ChatOpenAI's ``n``: ``generate`` returns them all, ``invoke`` the first. They are
+    sampled in one request, so the prompt is prefilled once. Not with streaming."""
+    logprobs: bool | None = None
+    """Token logprobs in ``response_metadata["logprobs"]``, in OpenAI's shape (``{"content": [{"token",
+    "logprob", "bytes", "top_logprobs"}]}``), as ChatOpenAI reports them."""
+    top_logprobs: int | None = None
+    """With ``logprobs``: the most likely alternatives per token (0-20)."""
     prefix_hint: bool = True
     """batch/abatch send the inputs' common prefix first (``max_new_tokens=0``) so it is prefilled once."""
     constrained_max_string_length: int | None = CONSTRAINED_MAX_STRING
     """Inside tool-call / structured-output constraints, strings without a ``maxLength`` get this one (so a small
     model cannot loop inside a string past the token budget and cut the JSON); ``None`` disables the cap."""
+    constrain_format_instructions: bool = True
+    """A prompt carrying a LangChain output parser's JSON format instructions (``PydanticOutputParser``,
+    ``JsonOutputParser`` with a model) gets its schema as the generation constraint, so the parser downstream
+    always parses (``format_instructions``); explicit constraints, tools and ``response_format`` come first."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra ``Engine(...)`` arguments for the in-process transport."""
 
@@ -363,6 +395,11 @@ class ChatSGLang(BaseChatModel):
         top_p = kwargs.pop("top_p", self.top_p)
         seed = kwargs.pop("seed", self.seed)
         stops = list(self.stop or []) + list(stop or []) + list(kwargs.pop("stop", None) or [])
+        n = int(kwargs.pop("n", None) or self.n)
+        logprobs = bool(kwargs.pop("logprobs", self.logprobs))
+        top_logprobs = int(kwargs.pop("top_logprobs", None) or self.top_logprobs or 0)
+        if n < 1 or not 0 <= top_logprobs <= 20:
+            raise ValueError(f"n must be >= 1 (got {n}) and top_logprobs within 0-20 (got {top_logprobs})")
 
         system_extra = []
         specs = [_tool_spec(t) for t in tools]
@@ -406,6 +443,10 @@ class ChatSGLang(BaseChatModel):
                 constraint["regex"] = regex
             elif json_schema is not None:
                 constraint["json_schema"] = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+            elif not specs and self.constrain_format_instructions:
+                schema = schema_in_format_instructions(messages, _text_of)
+                if schema is not None:
+                    constraint["json_schema"] = json.dumps(_bounded(schema, self.constrained_max_string_length))
 
         sampling: dict[str, Any] = {}
         if max_tokens is not None:
@@ -427,7 +468,8 @@ class ChatSGLang(BaseChatModel):
                 sampling[k] = kwargs.pop(k)
         chat = _to_chat(messages, "\n\n".join(system_extra) if system_extra else None)
         return _Request(messages=chat, sampling=sampling, model=model, tool_names=names, force_tool=force,
-                        whole=bool(names) or response_format is not None)
+                        whole=bool(names) or response_format is not None, n=n, logprobs=logprobs or top_logprobs > 0,
+                        top_logprobs=top_logprobs)
 
     # Transports ---------------------------------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -450,6 +492,11 @@ class ChatSGLang(BaseChatModel):
                 body[k] = sp[k]
         if "min_new_tokens" in sp:
             body["min_tokens"] = sp["min_new_tokens"]
+        if req.n > 1:
+            body["n"] = req.n
+        if req.logprobs:
+            body["logprobs"] = True
+            body["top_logprobs"] = req.top_logprobs
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -506,11 +553,43 @@ class ChatSGLang(BaseChatModel):
                 "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0,
                 "finish_reason": finish_reason}
 
-    def _complete(self, req: _Request) -> tuple[str, dict]:
+    @staticmethod
+    def _engine_args(req: _Request) -> tuple[dict, dict]:
+        """The in-process request's sampling params (``n`` among them) and logprob arguments."""
+        sampling = {**req.sampling, "n": req.n} if req.n > 1 else req.sampling
+        extra = {}
+        if req.logprobs:
+            extra = {"return_logprob": True, "top_logprobs_num": req.top_logprobs, "return_text_in_logprobs": True}
+        return sampling, extra
+
+    def _choices_from_engine(self, out: dict | list[dict], req: _Request) -> list[tuple[str, dict]]:
+        """(text, meta) per completion; the usage of the whole request on each, as ChatOpenAI reports ``n``."""
+        # deferred: the server's OpenAI layer (starlette) is loaded only for in-process logprobs
+        from sglang_backend.runtime.entrypoints.openai_common import without_stop_token
+
+        outs = out if isinstance(out, list) else [out]
+        metas = [self._meta_from_engine(o) for o in outs]
+        total = sum(m["completion_tokens"] for m in metas)
+        for o, m in zip(outs, metas):
+            m["completion_tokens"] = total
+            if req.logprobs:
+                m["logprobs"] = _openai_logprobs(without_stop_token(o)["meta_info"])
+        return [(o["text"], m) for o, m in zip(outs, metas)]
+
+    def _choices_from_openai(self, obj: dict) -> list[tuple[str, dict]]:
+        choices = []
+        for choice in obj["choices"]:
+            meta = self._meta_from_openai(obj, choice.get("finish_reason"))
+            if choice.get("logprobs") is not None:
+                meta["logprobs"] = choice["logprobs"]
+            choices.append((choice["message"].get("content") or "", meta))
+        return choices
+
+    def _complete(self, req: _Request) -> list[tuple[str, dict]]:
         if not self.base_url:
             prompt = self.engine.apply_chat_template(req.messages)
-            out = self.engine.generate(prompt, req.sampling)
-            return out["text"], self._meta_from_engine(out)
+            sampling, extra = self._engine_args(req)
+            return self._choices_from_engine(self.engine.generate(prompt, sampling, **extra), req)
         import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         def call():
@@ -520,15 +599,13 @@ class ChatSGLang(BaseChatModel):
                 self._check(r)
                 return r.json()
 
-        obj = self._retrying(call)
-        choice = obj["choices"][0]
-        return choice["message"].get("content") or "", self._meta_from_openai(obj, choice.get("finish_reason"))
+        return self._choices_from_openai(self._retrying(call))
 
-    async def _acomplete(self, req: _Request) -> tuple[str, dict]:
+    async def _acomplete(self, req: _Request) -> list[tuple[str, dict]]:
         if not self.base_url:
             prompt = self.engine.apply_chat_template(req.messages)
-            out = await self.engine.async_generate(prompt, req.sampling)
-            return out["text"], self._meta_from_engine(out)
+            sampling, extra = self._engine_args(req)
+            return self._choices_from_engine(await self.engine.async_generate(prompt, sampling, **extra), req)
         import httpx  # optional: only the HTTP backend needs it (not a dependency of sglang_backend)
 
         async def call():
@@ -538,9 +615,7 @@ class ChatSGLang(BaseChatModel):
                 self._check(r)
                 return r.json()
 
-        obj = await self._aretrying(call)
-        choice = obj["choices"][0]
-        return choice["message"].get("content") or "", self._meta_from_openai(obj, choice.get("finish_reason"))
+        return self._choices_from_openai(await self._aretrying(call))
 
     def _stream_pieces(self, req: _Request) -> Iterator[tuple[str, dict | None]]:
         """(text piece, final meta or None)."""
@@ -621,6 +696,8 @@ class ChatSGLang(BaseChatModel):
         finish = meta.get("finish_reason")
         response_metadata = {"model_name": req.model, "finish_reason": "tool_calls" if call else finish,
                              "model_provider": "sglang"}
+        if "logprobs" in meta:
+            response_metadata["logprobs"] = meta["logprobs"]
         if call is not None:
             return AIMessage(content="", tool_calls=[call], usage_metadata=self._usage(meta),
                              response_metadata=response_metadata)
@@ -631,16 +708,16 @@ class ChatSGLang(BaseChatModel):
         if self.streaming and not kwargs.get("tools"):
             return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
         req = self._prepare(messages, stop, **kwargs)
-        text, meta = self._complete(req)
-        return ChatResult(generations=[ChatGeneration(message=self._message(text, meta, req))])
+        return ChatResult(generations=[ChatGeneration(message=self._message(text, meta, req))
+                                       for text, meta in self._complete(req)])
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         if self.streaming and not kwargs.get("tools"):
             return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
         req = self._prepare(messages, stop, **kwargs)
-        text, meta = await self._acomplete(req)
-        return ChatResult(generations=[ChatGeneration(message=self._message(text, meta, req))])
+        return ChatResult(generations=[ChatGeneration(message=self._message(text, meta, req))
+                                       for text, meta in await self._acomplete(req)])
 
     def _final_chunk(self, text: str, meta: dict | None, req: _Request) -> ChatGenerationChunk:
         meta = meta or {}
@@ -651,11 +728,17 @@ class ChatSGLang(BaseChatModel):
             content=msg.content if not tool_call_chunks else "", tool_call_chunks=tool_call_chunks,
             usage_metadata=msg.usage_metadata, response_metadata=msg.response_metadata, chunk_position="last"))
 
+    @staticmethod
+    def _streamable(req: _Request) -> _Request:
+        if req.n > 1:
+            raise ValueError(f"n must be 1 when streaming (got n={req.n})")
+        return req
+
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        req = self._prepare(messages, stop, **kwargs)
+        req = self._streamable(self._prepare(messages, stop, **kwargs))
         if req.whole:  # a tool call / structured output is emitted whole, once it parses
-            text, meta = self._complete(req)
+            text, meta = self._complete(req)[0]
             chunk = self._final_chunk(text, meta, req)
             if run_manager:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -676,9 +759,9 @@ class ChatSGLang(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        req = self._prepare(messages, stop, **kwargs)
+        req = self._streamable(self._prepare(messages, stop, **kwargs))
         if req.whole:
-            text, meta = await self._acomplete(req)
+            text, meta = (await self._acomplete(req))[0]
             chunk = self._final_chunk(text, meta, req)
             if run_manager:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
