@@ -31,7 +31,7 @@ from .ir import (
     _to_expr,
 )
 from .global_config import global_config
-from .tracer import TracerProgramState, substitute, trace_program
+from .tracer import TracerProgramState, substitute, trace_call, trace_program, tracing_graph
 
 PREFIX_CACHE_MIN_CHARS = 64  # run_batch pre-caches a constant prefix at least this long
 
@@ -164,11 +164,14 @@ class SglFunction:
 
     def __call__(self, *args, **kwargs):
         """``prog(...)`` runs the program (as upstream); ``prog(s, ...)`` with a program state first inlines
-        it into that state, so functions nest."""
+        it into that state, so functions nest. Inside a traced program, ``prog(...)`` is traced as a program of
+        its own in the caller's graph (``tracer.trace_call``), as upstream's tracer does."""
         if args and isinstance(args[0], (ProgramState, TracerProgramState)):
             # Same thread, same state: the callee's appends queue up in order with the caller's.
             self.func(args[0], *args[1:], **{**self.bind_arguments, **kwargs})
             return args[0]
+        if tracing_graph() is not None:
+            return trace_call(self, args, kwargs)
         return self.run(*args, **kwargs)
 
 
@@ -187,7 +190,12 @@ class CompiledFunction:
         backend = backend or self.backend or global_config.default_backend
         executor = StreamExecutor(backend, kwargs, SglSamplingParams(), None)
         states = {0: ProgramState(executor)}
+        programs = [executor]  # the main program and those its calls started (ended together)
         for branch, kind, payload in self.graph.ops:
+            if kind == "program":  # a nested function call: its own state, from empty
+                programs.append(StreamExecutor(backend, {}, SglSamplingParams(), None))
+                states[branch] = ProgramState(programs[-1])
+                continue
             state = states[branch]
             if kind == "expr":
                 state += substitute(payload, kwargs, states)
@@ -198,11 +206,13 @@ class CompiledFunction:
                 state._last_group = group
             elif kind == "join":
                 state._last_group.join(payload[1])
-        executor.end()
-        try:
-            executor.sync()
-        except Exception:  # noqa: BLE001
-            pass
+        for ex in programs:
+            ex.end()
+        for ex in programs:
+            try:
+                ex.sync()
+            except Exception:  # noqa: BLE001 - the state reports its own error
+                pass
         return states[0]
 
 

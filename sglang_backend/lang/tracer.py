@@ -8,6 +8,7 @@ operations with real arguments.
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,13 @@ from .ir import (
 
 class TracingError(RuntimeError):
     pass
+
+
+_scope = threading.local()  # .graph: the graph being traced on this thread (None outside tracing)
+
+
+def tracing_graph() -> "TracedProgram | None":
+    return getattr(_scope, "graph", None)
 
 
 @dataclass
@@ -213,12 +221,30 @@ def trace_program(program, kwargs: dict, partial: bool = False) -> TracedProgram
             args[name] = SglArgument(name)
             graph.arguments.append(name)
     state = TracerProgramState(graph)
+    outer, _scope.graph = tracing_graph(), graph
     try:
         program.func(state, **args)
     except Exception:  # noqa: BLE001 - see partial above
         if not partial:
             raise
+    finally:
+        _scope.graph = outer
     return graph
+
+
+def trace_call(program, args: tuple, kwargs: dict) -> TracerProgramState:
+    """A function called as ``f(...)`` inside a traced program (upstream's nested programs): a new branch that
+    starts from an empty state ("program" op), recorded in the caller's graph; the returned state's variables
+    are placeholders the caller can append (``s += sub["x"]``), and ``.compile()`` replays the branch."""
+    graph = tracing_graph()
+    branch = graph._next_branch
+    graph._next_branch += 1
+    graph.add(branch, "program", program.func.__name__)
+    graph.ops.append((branch, "program", None))
+    state = TracerProgramState(graph, branch)
+    bound = inspect.signature(program.func).bind(state, *args, **{**program.bind_arguments, **kwargs})
+    program.func(*bound.args, **bound.kwargs)
+    return state
 
 
 def substitute(expr: SglExpr, values: dict, states: dict) -> SglExpr:

@@ -285,3 +285,51 @@ def test_every_completion_token_of_a_regex_gen_has_a_logprob(backend):
     meta = character.run().get_meta_info("json")
     assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
     assert backend.engine.scheduler.stats.num_jump_forward > jumps  # forced tokens were there to score
+
+
+# text_async_iter(var, return_meta_data=True) (upstream's test_stream_logprobs) ---------------------------------------
+def test_streamed_pieces_carry_their_new_logprob_entries(backend):
+    import asyncio
+
+    @sgl.function
+    def qa(s, question):
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", return_logprob=True))
+
+    async def collect():
+        state = qa(question="Write a short poem about the sea.", stream=True, temperature=0, max_new_tokens=24)
+        return [chunk async for chunk in state.text_async_iter("answer", return_meta_data=True)]
+
+    chunks = asyncio.run(collect())
+    assert len(chunks) > 1
+    seen = 0
+    for text, meta in chunks:
+        assert text and meta["completion_tokens"] == meta["output_token_logprobs_length"]
+        assert len(meta["output_token_logprobs"]) == meta["output_token_logprobs_length"] - seen
+        seen = meta["output_token_logprobs_length"]
+    state = qa(question="Hi.", stream=True, max_new_tokens=2)
+    with pytest.raises(ValueError, match="variable"):
+        next(state.text_iter(return_meta_data=True))
+    state.text()  # waits for the program to end
+
+
+# A function called inside a compiled program (upstream's test_tracing multi-function) --------------------------------
+def test_compiled_program_runs_the_functions_it_calls(backend):
+    @sgl.function
+    def expand(s, tip):
+        s += "Expand this tip into one sentence: " + tip + "\n"
+        s += sgl.gen("detailed", max_tokens=12, temperature=0)
+
+    @sgl.function
+    def tips(s, topic):
+        s += "A tip for " + topic + ":" + sgl.gen("tip", max_tokens=8, stop="\n", temperature=0) + "\n"
+        sub = expand(tip=s["tip"])
+        s += "In detail: " + sub["detailed"] + "\n"
+
+    compiled = tips.compile()
+    assert [n.kind for n in compiled.graph.nodes].count("program") == 1
+    state = compiled.run(topic="sleeping well")
+    assert state.text().split("In detail: ")[1].strip()  # the nested program's gen reached the caller
+    direct = tips.run(topic="sleeping well")
+    assert state.text() == direct.text()  # greedy: the compiled replay equals running the program
+
