@@ -156,3 +156,48 @@ def time_limit(seconds: float) -> Iterator[None]:
             state["done"] = True
             if state["fired"]:  # the block ended just as the limit passed: drop the exception if still pending
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(tid, None)
+
+
+class HttpResponse:
+    """What ``http_request`` returns: upstream's shape (``status_code``, ``json()``, ``text``, ``iter_lines()``)."""
+
+    def __init__(self, status_code: int, body):
+        self.status_code = status_code
+        self._body = body  # bytes, or (stream=True) the open response to read lines from
+
+    @property
+    def text(self) -> str:
+        return self._body.decode("utf-8") if isinstance(self._body, bytes) else self._body.read().decode("utf-8")
+
+    def json(self):
+        import json  # deferred: only the upstream-compatible helper needs it
+
+        return json.loads(self.text)
+
+    def iter_lines(self) -> Iterator[bytes]:
+        lines = self._body.splitlines() if isinstance(self._body, bytes) else self._body
+        for line in lines:
+            yield line.rstrip(b"\r\n")
+
+
+def http_request(url: str, json=None, stream: bool = False, api_key: str | None = None, verify=None,
+                 method: str | None = None) -> HttpResponse:
+    """Upstream's ``sglang.utils.http_request`` (its examples call a server with it): a JSON POST (GET without a
+    body), with an ``Authorization: Bearer`` header given ``api_key``; an HTTP error status is returned, not
+    raised, as upstream's. ``stream=True`` leaves the body open for ``iter_lines()``; ``verify``: a CA file."""
+    import json as json_lib  # deferred: the helpers above are imported by every process, this rarely
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    data = None if json is None else json_lib.dumps(json).encode("utf-8")
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json; charset=utf-8")
+    if api_key is not None:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    context = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else None
+    try:
+        resp = urllib.request.urlopen(req, context=context)
+    except urllib.error.HTTPError as e:
+        return HttpResponse(e.code, e.read())
+    return HttpResponse(resp.status, resp if stream else resp.read())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import sglang_backend as sgl
+from sglang_backend.utils import http_request
 from tests.upstream_programs import (
     check_cache_prefills_the_prefix,
     check_cot_step_0,
@@ -73,3 +74,18 @@ def test_openai_chat_model_speculative_execution(server):
     assert all(isinstance(state[k], str) for k in ("name", "birthday", "job"))
     assert backend.token_usage.api_calls == 1  # one chat completion for the whole templated turn
     assert state.messages()[-1]["content"].startswith("Name:")
+
+
+def test_upstream_http_request_helper(server):
+    """``sglang.utils.http_request`` as upstream's examples (json_logprobs) call a server with it."""
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "return_logprob": True, "top_logprobs_num": 2}
+    res = http_request(server.url + "/generate", json=body, api_key=server.api_key)
+    assert res.status_code == 200
+    meta = res.json()["meta_info"]
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == len(meta["output_top_logprobs"])
+    streamed = http_request(server.url + "/generate", json={**body, "stream": True}, stream=True,
+                            api_key=server.api_key)
+    assert any(line.startswith(b"data: [DONE]") for line in streamed.iter_lines())
+    assert http_request(server.url + "/generate", json={"text": 1}, api_key=server.api_key).status_code == 400
+    assert http_request(server.url + "/generate", json=body).status_code == 401  # no key: answered, not raised

@@ -174,9 +174,17 @@ def test_separate_reasoning_on_the_engine(backend):
     ("sglang_backend.lang.backend.openai", "OpenAI", "sglang_backend.lang.backends.openai"),
     ("sglang_backend.lang.backend.base_backend", "BaseBackend", "sglang_backend.lang.backends.base"),
     ("sglang_backend.lang.chat_template", "get_chat_template", "sglang_backend.lang.chat_template"),
+    # newer upstream keeps hf_transformers_utils under srt/utils/ (test_programs' gen_min_new_tokens imports it there)
+    ("sglang_backend.srt.utils.hf_transformers_utils", "get_tokenizer", "sglang_backend.srt.hf_transformers_utils"),
 ])
 def test_upstream_module_paths_are_aliases(module, name, target):
     assert getattr(importlib.import_module(module), name) is getattr(importlib.import_module(target), name)
+
+
+def test_is_hip_is_false():
+    from sglang_backend.srt.utils import is_hip  # noqa: E402 - path under test (upstream's test_programs imports it)
+
+    assert is_hip() is False
 
 
 def test_build_regex_from_object_takes_a_pydantic_model():
