@@ -98,10 +98,13 @@ def test_forced_tokens_carry_the_models_logprobs(tiny_gqa_dir, engine_args):
         for top, ref_top in zip(meta["output_top_logprobs"], ref["input_top_logprobs"]):
             assert [t for _, t, *_ in top] == [t for _, t, *_ in ref_top]
 
-        # Streamed, the pieces add up to the same entries (a re-tokenized tail's entries are re-sent).
+        # Streamed, the pieces add up to the same entries, and every message carries the ids of its entries
+        # (forced tokens wait for their scores), so a client can read each chunk's tokens from its logprobs.
         chunks = list(engine.generate(input_ids=prompt_ids, sampling_params=sp, return_logprob=True, stream=True))
         assert chunks[-1]["output_ids"] == ids
         assert [t for _, t, *_ in chunks[-1]["meta_info"]["output_token_logprobs"]] == ids
+        for c in chunks:
+            assert [t for _, t, *_ in c["meta_info"]["output_token_logprobs"]] == c["output_ids"]
         engine.check_pool_whole()
     finally:
         engine.shutdown()
@@ -133,8 +136,9 @@ def test_a_streamed_retokenized_tail_resends_its_logprob_entries():
     req.output_ids += [7, 8, 9]
     req.output_token_logprobs += [(-0.7, 7)]
     step()
-    assert state.output_ids == [1, 7, 8, 9]
+    assert state.output_ids == [1, 7]  # 8 and 9 wait for their logprob entries
     assert [t for _, t in state.meta["output_token_logprobs"]] == [1, 7]
     req.output_token_logprobs += [(-0.8, 8), (-0.9, 9)]
     step()
+    assert state.output_ids == [1, 7, 8, 9]
     assert [t for _, t in state.meta["output_token_logprobs"]] == [1, 7, 8, 9]

@@ -32,6 +32,12 @@ class OutputCollector:
             meta["embedding"] = req.embedding
         keep = min(n_ids, req.output_ids_rewritten_from)  # jump-forward may have re-tokenized a tail
         req.output_ids_rewritten_from = NOTHING_REWRITTEN
+        # With logprobs, a stream sends an output id together with its logprob entry: the tokens a jump-forward
+        # appended wait for the next extend to score them, so a message's text and entries stay the same tokens
+        # (clients such as guidance read each chunk's tokens from its logprobs).
+        visible = len(req.output_ids)
+        if req.return_logprob and not finished:
+            visible = max(keep, min(visible, len(req.output_token_logprobs)))
         if req.return_logprob:
             # Output logprob entries are one per output id: a re-tokenized tail's are re-sent from ``keep`` too.
             n_out = min(n_out, keep)
@@ -47,5 +53,5 @@ class OutputCollector:
                      "spaces_between_special_tokens": sp.spaces_between_special_tokens,
                      "stop": sp.stop, "no_stop_trim": sp.no_stop_trim}
         if not finished:
-            self.sent[req.rid] = (len(req.output_ids), len(req.input_token_logprobs), len(req.output_token_logprobs))
-        return TokenOut(req.rid, req.output_ids[keep:], req.finished_reason, meta, req.stream, detok, keep)
+            self.sent[req.rid] = (visible, len(req.input_token_logprobs), len(req.output_token_logprobs))
+        return TokenOut(req.rid, req.output_ids[keep:visible], req.finished_reason, meta, req.stream, detok, keep)
