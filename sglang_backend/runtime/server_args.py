@@ -42,6 +42,7 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=16384, metadata={"help": "Max new prompt tokens in one prefill batch"})
     max_prefill_logprob_tokens: int = field(default=0, metadata={"help": "Prompt tokens whose logprobs one prefill batch computes (each a full-vocabulary fp32 logits row); a longer prompt asking for them is chunked. 0: auto, 1 GiB of logits"})
     chunked_prefill_size: int = field(default=8192, metadata={"help": "Split prompts longer than this (<=0 disables)"})
+    enable_mixed_chunk: bool = field(default=False, metadata={"help": "Prefill batches carry the running requests' decode tokens too (one extend), so decoding does not stall while prompts are computed"})
     schedule_conservativeness: float = field(default=1.0, metadata={"help": "Scales reserved decode growth"})
     starvation_limit: int = field(default=64, metadata={"help": "A request passed over this many scheduling rounds is admitted first (aging)"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "No prefix reuse (ablation)"})

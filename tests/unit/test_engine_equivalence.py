@@ -109,11 +109,13 @@ def test_logprobs_match_hf(which, request, hf_model_cache):
 
 
 @pytest.mark.parametrize("engine_kwargs", [dict(chunked_prefill_size=16), dict(page_size=4),
-                                           dict(page_size=4, chunked_prefill_size=16)], ids=str)
+                                           dict(page_size=4, chunked_prefill_size=16),
+                                           dict(chunked_prefill_size=16, enable_mixed_chunk=True)], ids=str)
 @pytest.mark.parametrize("which", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_gemma3_dir"])
 def test_qwen3_matches_hf_chunked_and_paged(engine_kwargs, which, request, hf_model_cache):
     """Qwen3's q/k norms, the experts and Gemma 3's sliding windows (8 tokens, shorter than a chunk) hold under
-    chunked prefill (16 tokens at a time) and 4-token pages."""
+    chunked prefill (16 tokens at a time), 4-token pages and mixed chunks (the running requests decode inside
+    the prefill batches, as one-token extends)."""
     path = request.getfixturevalue(which)
     hf = hf_model_cache(path)
     prompts = random_prompts(hf.config.vocab_size, seed=1)
@@ -124,6 +126,8 @@ def test_qwen3_matches_hf_chunked_and_paged(engine_kwargs, which, request, hf_mo
         assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == expected
         again = engine.generate(input_ids=prompts, sampling_params=params)  # over the cached prefixes
         assert [o["output_ids"] for o in again] == expected
+        if engine_kwargs.get("enable_mixed_chunk"):
+            assert engine.get_stats()["num_mixed_batches"] > 0
         engine.check_pool_whole()
     finally:
         engine.shutdown()

@@ -133,7 +133,9 @@ def test_memory_pressure_completes_with_identical_outputs(make_sched, reference_
     dict(disable_radix_cache=True),
     dict(page_size=4),
     dict(page_size=4, chunked_prefill_size=16),
-], ids=["chunked16", "radix-off", "page4", "page4-chunked16"])
+    dict(enable_mixed_chunk=True, chunked_prefill_size=16),
+    dict(enable_mixed_chunk=True, page_size=4, chunked_prefill_size=16),
+], ids=["chunked16", "radix-off", "page4", "page4-chunked16", "mixed-chunked16", "mixed-page4-chunked16"])
 def test_outputs_identical_across_variants_under_pressure(make_sched, reference_outputs, variant):
     """Chunked prefill on vs off, radix cache on vs off, page_size 4 vs 1: same greedy tokens, with the
     small pool (so the variant also goes through retraction)."""
@@ -153,6 +155,8 @@ def check_variant_really_applied(sched, variant, expect_hits: bool = True) -> No
     if "chunked_prefill_size" in variant:
         assert 0 < stats["max_prefill_batch_tokens"] <= variant["chunked_prefill_size"], stats
         assert stats["num_chunked_prefill_batches"] > 0, "no prompt was split into chunks"
+    if variant.get("enable_mixed_chunk"):
+        assert stats["num_mixed_batches"] > 0, "no prefill batch decoded the running requests"
 
 
 @pytest.mark.parametrize("variant", [
@@ -160,13 +164,38 @@ def check_variant_really_applied(sched, variant, expect_hits: bool = True) -> No
     dict(disable_radix_cache=True),
     dict(page_size=4),
     dict(disable_radix_cache=True, chunked_prefill_size=8),
-], ids=["chunked16", "radix-off", "page4", "radix-off-chunked8"])
+    dict(enable_mixed_chunk=True, disable_radix_cache=True, chunked_prefill_size=8),
+], ids=["chunked16", "radix-off", "page4", "radix-off-chunked8", "mixed-radix-off-chunked8"])
 def test_outputs_identical_across_variants_unpressured(make_sched, reference_outputs, variant):
     sched = make_sched(max_total_tokens=4096, **variant)
     assert run_workload(sched, WORKLOAD) == reference_outputs
     assert sched.get_stats()["num_retractions"] == 0
     # Everything is admitted in the first batch unless chunking splits it: hits only with chunking.
     check_variant_really_applied(sched, variant, expect_hits="chunked_prefill_size" in variant)
+
+
+def test_mixed_chunk_decodes_running_requests_while_a_long_prompt_is_chunked(make_sched):
+    """With enable_mixed_chunk, a running request gains one token in every chunk of a long prompt's prefill
+    (without it, it waits for the whole prompt); both outputs equal those of the unmixed scheduler."""
+    rng = random.Random(5)
+    short, long = rand_ids(rng, 12), rand_ids(rng, 96)
+    outputs, growth = {}, {}
+    for mixed in (False, True):
+        sched = make_sched(max_total_tokens=4096, chunked_prefill_size=16, enable_mixed_chunk=mixed)
+        first = new_req(sched, "short", short, max_new_tokens=12, ignore_eos=True)
+        sched.add_request(first)
+        sched.step()  # its prefill: it is running now
+        assert len(first.output_ids) == 1 and sched.running == [first]
+        second = new_req(sched, "long", long, max_new_tokens=4, ignore_eos=True)
+        sched.add_request(second)
+        for _ in range(len(long) // 16):  # the long prompt's chunks
+            sched.step()
+        growth[mixed] = len(first.output_ids) - 1
+        drain(sched)
+        outputs[mixed] = (first.output_ids, second.output_ids)
+        assert sched.get_stats()["num_mixed_batches"] == (len(long) // 16 if mixed else 0)
+    assert growth == {False: 0, True: len(long) // 16}
+    assert outputs[True] == outputs[False]
 
 
 # Starvation bound -------------------------------------------------------------------------------------------------

@@ -103,6 +103,7 @@ class SchedulerStats:
     num_chunked_prefill_batches: int = 0  # prefill batches computing part of a prompt split by chunked prefill
     max_prefill_batch_tokens: int = 0  # the most prompt tokens one prefill batch computed
     num_decode_batches: int = 0
+    num_mixed_batches: int = 0  # prefill batches that also decoded the running requests (enable_mixed_chunk)
     num_forward_tokens: int = 0
     num_retractions: int = 0
     num_jump_forward: int = 0
@@ -353,7 +354,21 @@ class Scheduler:
             if id(req) not in admitted_ids:
                 req.skipped_rounds += 1
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted_ids]
-        return self._build_extend_batch(admitted, plan.prefix_lens, plan.extend_lens)
+        decoding = self._mix_running() if sa.enable_mixed_chunk else []
+        return self._build_extend_batch(admitted + decoding, plan.prefix_lens + [r.kv_len - 1 for r in decoding],
+                                        plan.extend_lens + [1] * len(decoding))
+
+    def _mix_running(self) -> list[Req]:
+        """The running requests, each given the KV slot of its next token, to decode in the prefill batch as
+        one-token extends over their cached KV (mixed chunk); none if their slots do not fit now (the next decode
+        step retracts as usual)."""
+        if not self.running or self._decode_need() > self.available_tokens():
+            return []
+        self._alloc_decode_slots(self.running)
+        for req in self.running:
+            req.kv_len += 1  # as an extend: the slot of the token this step computes is counted before the forward
+        self.stats.num_mixed_batches += 1
+        return list(self.running)
 
     def _admit(self, plan: PrefillPlan, req: Req, extend_len: int) -> bool:
         if not self._alloc_extend(req, extend_len):
@@ -522,14 +537,21 @@ class Scheduler:
     def _run_extend(self, batch: ScheduleBatch) -> list[Req]:
         self.stats.num_prefill_batches += 1
         self.stats.num_chunked_prefill_batches += any(r.is_chunked for r in batch.reqs)
-        self.stats.max_prefill_batch_tokens = max(self.stats.max_prefill_batch_tokens, sum(batch.extend_lens))
+        running = {id(r) for r in self.running}  # mixed chunk: these decode one token in this batch
+        prompt_tokens = sum(e for r, e in zip(batch.reqs, batch.extend_lens) if id(r) not in running)
+        self.stats.max_prefill_batch_tokens = max(self.stats.max_prefill_batch_tokens, prompt_tokens)
         batch, logits = self._forward_contained(batch)
         outputs: list[Req] = []
         sample_reqs, sample_rows = [], []
+        decode_reqs, decode_rows = [], []
         row = 0
         for req, p, e, rows in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.logit_rows):
             req_logits = logits[row : row + len(rows)]
             row += len(rows)
+            if id(req) in running:
+                decode_reqs.append(req)
+                decode_rows.append(req_logits[-1])
+                continue
             n_prompt = self._prompt_logprob_rows(req, p, e)
             output_positions = req.output_logprob_positions(p, e)
             if not req.input_logprobs_done:
@@ -561,6 +583,9 @@ class Scheduler:
                 continue
             sample_reqs.append(req)
             sample_rows.append(req_logits[-1])
+        if decode_reqs:  # first: the requests that finish leave the running batch before the new ones join it
+            self.decay_new_token_ratio()
+            outputs += self._sample_and_advance(decode_reqs, torch.stack(decode_rows), new_running=False)
         if sample_reqs:
             outputs += self._sample_and_advance(sample_reqs, torch.stack(sample_rows), new_running=True)
         return outputs
@@ -612,21 +637,7 @@ class Scheduler:
         reqs = self.running
         if not reqs:
             return []
-        if self.page_size == 1:
-            # The whole step's slots in one allocation and one table write.
-            locs = self.alloc_slots(len(reqs), -1)
-            assert locs is not None, "decode allocation failed after retraction check"
-            self.req_to_token_pool.write_tokens(torch.tensor([r.req_pool_idx for r in reqs]),
-                                                torch.tensor([r.kv_len for r in reqs]), locs)
-        else:
-            per_req = []
-            for req in reqs:
-                loc = self.alloc_slots(1, self._last_loc(req))
-                assert loc is not None, "decode allocation failed after retraction check"
-                self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, loc)
-                per_req.append(loc)
-            locs = torch.cat(per_req)
-        batch = ScheduleBatch(reqs, ForwardMode.DECODE, out_cache_loc=locs)
+        batch = ScheduleBatch(reqs, ForwardMode.DECODE, out_cache_loc=self._alloc_decode_slots(reqs))
         batch, logits = self._forward_contained(batch)
         reqs = batch.reqs
         for req in reqs:
@@ -634,6 +645,24 @@ class Scheduler:
         self.stats.num_decode_batches += 1
         self.decay_new_token_ratio()
         return self._sample_and_advance(list(reqs), logits, new_running=False)
+
+    def _alloc_decode_slots(self, reqs: list[Req]) -> torch.Tensor:
+        """Each request's slot for the token at position kv_len, written into its table row (the caller has
+        checked that they fit: ``_decode_need() <= available_tokens()``)."""
+        if self.page_size == 1:
+            # The whole step's slots in one allocation and one table write.
+            locs = self.alloc_slots(len(reqs), -1)
+            assert locs is not None, "decode allocation failed after the memory check"
+            self.req_to_token_pool.write_tokens(torch.tensor([r.req_pool_idx for r in reqs]),
+                                                torch.tensor([r.kv_len for r in reqs]), locs)
+            return locs
+        per_req = []
+        for req in reqs:
+            loc = self.alloc_slots(1, self._last_loc(req))
+            assert loc is not None, "decode allocation failed after the memory check"
+            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, loc)
+            per_req.append(loc)
+        return torch.cat(per_req)
 
     def decay_new_token_ratio(self) -> None:
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
@@ -967,6 +996,7 @@ class Scheduler:
             "num_chunked_prefill_batches": s.num_chunked_prefill_batches,
             "max_prefill_batch_tokens": s.max_prefill_batch_tokens,
             "num_decode_batches": s.num_decode_batches,
+            "num_mixed_batches": s.num_mixed_batches,
             "num_forward_tokens": s.num_forward_tokens,
             "num_retractions": s.num_retractions,
             "num_jump_forward": s.num_jump_forward,
