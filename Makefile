@@ -43,9 +43,18 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(VENV)/bin/sglang-backend demo
 
-# -rs lists every skipped test with its reason; --durations the 30 slowest (what to trim when CI grows)
+# -rs lists every skipped test with its reason; --durations the 30 slowest (what to trim when CI grows).
+# Two phases: the suite on two pytest-xdist workers (--dist loadfile: a module's tests, and so its module-scoped
+# engines and servers, stay on one worker; each worker computes on one thread, and the longest modules go first:
+# see tests/conftest.py), then the tests marked `serial` (they time wall-clock or CPU use) alone. The second
+# phase runs even if the first fails.
+TEST_WORKERS ?= 2
+PYTEST_ARGS = -q -rs --durations=30
 test: install-test
-	$(PY) -m pytest -q -rs --durations=30 tests
+	$(PY) -m pytest $(PYTEST_ARGS) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	  -m "not serial" tests; \
+	  first=$$?; $(PY) -m pytest $(PYTEST_ARGS) -m serial tests; second=$$?; \
+	  [ $$first -eq 0 ] && [ $$second -eq 0 ]
 
 bench: install-test
 	$(PY) -m benchmarks.bench_engine_vs_hf

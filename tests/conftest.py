@@ -22,7 +22,16 @@ import torch
 
 from sglang_backend.runtime.model_executor import model_runner
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# Under pytest-xdist (`make test` runs two workers on two cores) every worker computes on one thread, and so does
+# every process it starts (servers, CLI runs): more threads than free cores makes each of them several times
+# slower. A plain `pytest` keeps up to 4.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+else:
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 # In-process test engines get a 512 MiB KV pool instead of the 2 GiB CPU default (the pool is zeroed, so every
 # engine commits all of it): enough for a full SmolLM2 context (8k tokens) at 46 KiB per token. The servers
@@ -32,24 +41,84 @@ model_runner.CPU_KV_BUDGET_BYTES = TEST_CPU_KV_BUDGET_BYTES
 PEAK_RSS_WARN_GIB = 12
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The suite's memory: RSS after each module, engines that outlived their module, and the peak RSS of this
-    pytest process and of the largest test server (all its processes)."""
+def _memory_summary() -> list[tuple[str, bool]]:
+    """The closing lines about this process's memory, each with whether it is a warning."""
     from tests import memory_report
 
-    for line in memory_report.module_lines():
-        terminalreporter.write_line(line)
-    for warning in memory_report.leak_warnings:
-        terminalreporter.write_line(f"warning: {warning}", yellow=True)
+    lines = [(line, False) for line in memory_report.module_lines()]
+    lines += [(f"warning: {warning}", True) for warning in memory_report.leak_warnings]
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
     servers = memory_report.server_peaks_kib
     line = f"peak RSS: pytest {own:.2f} GiB"
     if servers:
         line += f"; largest of {len(servers)} test servers {max(servers) / 2**20:.2f} GiB (its processes summed)"
-    terminalreporter.write_line(line)
+    lines.append((line, False))
     if own > PEAK_RSS_WARN_GIB:
-        terminalreporter.write_line(f"warning: pytest's peak RSS is over {PEAK_RSS_WARN_GIB} GiB", yellow=True)
+        lines.append((f"warning: pytest's peak RSS is over {PEAK_RSS_WARN_GIB} GiB", True))
+    return lines
+
+
+_worker_memory: dict[str, list] = {}  # under xdist, on the controller: worker id -> its _memory_summary()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist (controller): a worker finished; keep the memory lines it sent (pytest_sessionfinish below)."""
+    summary = getattr(node, "workeroutput", {}).get("memory_summary")
+    if summary is not None:
+        _worker_memory[node.gateway.id] = summary
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's memory: RSS after each module, engines that outlived their module, and the peak RSS of this
+    pytest process and of the largest test server (all its processes); under xdist, those of each worker."""
+    if _worker_memory:
+        for worker in sorted(_worker_memory):
+            terminalreporter.write_line(f"memory of xdist worker {worker}:")
+            for line, warning in _worker_memory[worker]:
+                terminalreporter.write_line(line, yellow=warning)
+        return
+    for line, warning in _memory_summary():
+        terminalreporter.write_line(line, yellow=warning)
+
+
+# The modules that take the longest (a minute or more on 2 CPU cores, from `make test`'s --durations), longest
+# first. Under xdist (`make test` passes --no-loadscope-reorder) they are handed out first, so that the two
+# workers end together instead of one finishing a long module alone; the other modules follow, those with the
+# most tests first (xdist's own order). A plain `pytest` keeps pytest's order.
+LONGEST_MODULES = [
+    "tests/docs/test_readme.py",
+    "tests/reliability/test_hostile.py",
+    "tests/integration/test_langchain_adapter.py",
+    "tests/integration/test_tool_calling.py",
+    "tests/unit/test_gemma3_real.py",
+    "tests/integration/test_structured_parse.py",
+    "tests/unit/test_constrained_engine.py",
+    "tests/unit/test_engine_equivalence.py",
+    "tests/integration/test_process_hygiene.py",
+    "tests/integration/test_router.py",
+    "tests/integration/test_dspy_adapter.py",
+    "tests/integration/test_server_abort.py",
+    "tests/integration/test_langchain_openai.py",
+    "tests/unit/test_peers.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if not XDIST_WORKER:
+        return
+    rank = {path: i for i, path in enumerate(LONGEST_MODULES)}
+    counts: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        counts[module] = counts.get(module, 0) + 1
+
+    def key(item):
+        module = item.nodeid.split("::", 1)[0]
+        return (rank.get(module, len(rank)), -counts[module], module)
+
+    items.sort(key=key)  # stable: a module's tests keep their order
 
 
 class SharedEngines:
@@ -136,6 +205,9 @@ def pytest_sessionfinish(session):
     for name in list(SHARED_ENGINES.engines):
         SHARED_ENGINES.release(name)
     _measure_ended_modules()
+    workeroutput = getattr(session.config, "workeroutput", None)  # an xdist worker: sent to the controller
+    if workeroutput is not None:
+        workeroutput["memory_summary"] = _memory_summary()
 
 
 def _tiny_dir(tmp_path_factory, name: str, **overrides) -> str:

@@ -100,7 +100,27 @@ def test_format_json_and_schema(client):
     assert set(obj) == {"name", "age"} and isinstance(obj["age"], int)
 
 
-def test_embed_equals_openai_embeddings(client, http):
+@pytest.fixture
+def short_context_client(server, tmp_path_factory):
+    """An Ollama client of a second server whose context is 1024 tokens, for inputs longer than the context:
+    truncating one to the shared server's context (8k tokens) embeds 8k tokens, over a minute on a CPU thread.
+    Against an external server (SGLANG_TEST_SERVER_URL): that server. After the test its KV pool is whole."""
+    handle = server
+    if server.proc is not None:
+        handle = type(server)("", server.api_key, log_dir=str(tmp_path_factory.mktemp("short_context_server")),
+                              extra_args=["--context-length", "1024"])
+        handle.start()
+    c = ollama.Client(host=handle.url, headers=handle.headers, timeout=120)
+    try:
+        yield c
+        handle.assert_pool_whole()
+    finally:
+        c.close()
+        orphans = handle.stop() if handle is not server else []
+    assert not orphans, f"the short-context server left orphan processes {orphans}:\n{handle.log_tail()}"
+
+
+def test_embed_equals_openai_embeddings(client, http, short_context_client):
     one = client.embed(model=MODEL, input="The capital of France is Paris.")
     many = client.embed(model=MODEL, input=["The capital of France is Paris.", "Cats purr."])
     assert len(one.embeddings) == 1 and len(many.embeddings) == 2 and one.prompt_eval_count > 0
@@ -111,9 +131,9 @@ def test_embed_equals_openai_embeddings(client, http):
     assert list(legacy.embedding) == pytest.approx(one.embeddings[0], abs=1e-5)
     assert client.embed(model=MODEL, input="").embeddings == []
     long_text = "word " * 20000  # truncated to the context (the default), or refused without truncation
-    assert len(client.embed(model=MODEL, input=long_text).embeddings) == 1
+    assert len(short_context_client.embed(model=MODEL, input=long_text).embeddings) == 1
     with pytest.raises(ollama.ResponseError) as e:
-        client.embed(model=MODEL, input=long_text, truncate=False)
+        short_context_client.embed(model=MODEL, input=long_text, truncate=False)
     assert e.value.status_code == 400
 
 

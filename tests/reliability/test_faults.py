@@ -21,6 +21,9 @@ import pytest
 
 from sglang_backend.runtime.managers.fault_injection import ENV_VAR
 
+# Timing-sensitive: run in `make test`'s serial phase, not beside another xdist worker (pyproject markers).
+pytestmark = pytest.mark.serial
+
 KEY_A, KEY_B = "sk-reliability-a", "sk-reliability-b"
 NAN_TOKEN, RAISE_TOKEN = 300, 301
 PROMPTS = [[5 + i, 17, 29 + 3 * i, 41, 60 + i, 77] for i in range(8)]

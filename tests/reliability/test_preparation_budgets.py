@@ -9,8 +9,13 @@ import time
 import uuid
 
 import httpx
+import pytest
 
 from benchmarks.bench_hostile_latency import HOSTILE_TEMPLATE, nested_schema
+
+# Timing-sensitive: run in `make test`'s serial phase, not beside another xdist worker (pyproject markers).
+pytestmark = pytest.mark.serial
+
 
 def chat(server, timeout=60, **extra) -> tuple[httpx.Response, float]:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, **extra}

@@ -10,6 +10,10 @@ import signal
 import time
 
 import httpx
+import pytest
+
+# Timing-sensitive: run in `make test`'s serial phase, not beside another xdist worker (pyproject markers).
+pytestmark = pytest.mark.serial
 
 GRACE_S = 1.5
 SHORT = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -24,6 +24,9 @@ import pytest
 
 from tests.sse import BackgroundStream
 
+# Timing-sensitive: run in `make test`'s serial phase, not beside another xdist worker (pyproject markers).
+pytestmark = pytest.mark.serial
+
 KEY_A = "sk-reliability-a"
 HEADER_S, BODY_S, IDLE_S = 1.0, 2.0, 1.5
 SLACK_S = 2.5  # two busy CPU cores

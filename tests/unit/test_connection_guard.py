@@ -16,6 +16,9 @@ import uvicorn
 
 from sglang_backend.runtime.entrypoints.connection_guard import DrainingMiddleware, guarded_h11_protocol
 
+# Timing-sensitive: run in `make test`'s serial phase, not beside another xdist worker (pyproject markers).
+pytestmark = pytest.mark.serial
+
 HEADER_S, BODY_S, IDLE_S = 0.6, 1.2, 0.6
 SLACK_S = 1.0
 

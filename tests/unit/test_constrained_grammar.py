@@ -178,6 +178,7 @@ def test_multibyte_tokens_inside_characters(cache, tokenizer):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.serial  # times a cached failure (< 50 ms): `make test`'s serial phase, beside no other worker
 @pytest.mark.parametrize(
     "kind, spec, match",
     [
@@ -218,6 +219,7 @@ SCHEMA = {"type": "object",
           "required": ["name", "age"]}
 
 
+@pytest.mark.serial  # times cold, memory and disk compiles: `make test`'s serial phase, beside no other worker
 def test_cache_memory_and_disk(tokenizer, cache_dir):
     c1 = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, backend="fsm", cache_dir=cache_dir)
     t0 = time.perf_counter()

@@ -15,6 +15,9 @@ from sglang_backend.runtime.managers.chat_templates import TemplateTooSlow, rend
 from sglang_backend.runtime.model_loader.loader import read_chat_template
 from sglang_backend.utils import TimeLimitExceeded, time_limit
 
+# Timing-sensitive: run in `make test`'s serial phase, not beside another xdist worker (pyproject markers).
+pytestmark = pytest.mark.serial
+
 
 def nested_defs_schema(levels: int) -> dict:
     return nested_schema(levels, fresh=False)  # property names "a" and "b": the regex sizes below depend on them
