@@ -23,7 +23,7 @@ from .managers.request_frontend import (RequestFrontend, RequestState, embedding
                                         format_logprobs)
 from .managers.scheduler import PoolNotWholeError, Scheduler
 from .managers.scheduler_output import OutputCollector
-from .managers.validation import all_ints
+from .managers.validation import all_ints, check_session_id
 from .model_loader.loader import load_model_assets
 from .multimodal.processor import MultimodalProcessor
 from .server_args import ServerArgs
@@ -79,17 +79,19 @@ class Engine:
         rid: str | list[str] | None = None,
         extra_key: Any = None,
         image_data: Any = None,
+        session_id: str | None = None,
     ):
         """Generates for one prompt (returns a dict) or a list of prompts (returns a list of dicts).
 
         With ``stream=True`` (single prompt) returns an iterator of dicts whose ``text`` is the new piece.
         ``image_data`` (multimodal models): per prompt an image or a list of images (path, base64, data URL,
         bytes or PIL image), one per image placeholder in the prompt; for a batch, a list with one entry
-        per prompt.
+        per prompt. ``session_id``: the program or session these calls belong to; when one finishes, its KV
+        stays pinned for the session's next call (``ServerArgs.session_ttl``; ``end_session`` releases it).
         """
         handles, is_batch = self._submit(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                          top_logprobs_num, rid, extra_key, stream, return_text_in_logprobs,
-                                         image_data)
+                                         image_data, session_id=session_id)
         if stream:
             if is_batch:
                 raise ValueError("stream=True takes a single prompt")
@@ -128,6 +130,11 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._control("flush_cache")
 
+    def end_session(self, session_id: str) -> bool:
+        """The program / session is over: its pinned KV becomes evictable now. False if it held no pin."""
+        check_session_id(session_id)
+        return self._control("end_session", session_id)
+
     def get_stats(self) -> dict:
         return self._control("get_stats")
 
@@ -137,10 +144,10 @@ class Engine:
         if problem is not None:
             raise PoolNotWholeError(problem)
 
-    def _control(self, kind: str):
+    def _control(self, kind: str, payload=None):
         """A control command, run by the loop thread between steps (``Scheduler.handle_control``)."""
         reply: queue.Queue = queue.Queue()
-        self._post("control", (kind, None, reply))
+        self._post("control", (kind, payload, reply))
         return reply.get()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
@@ -171,7 +178,7 @@ class Engine:
 
     # Submission -------------------------------------------------------------------------------------------------
     def _submit(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
-                rid, extra_key, stream, return_text_in_logprobs, image_data=None, pooling=None):
+                rid, extra_key, stream, return_text_in_logprobs, image_data=None, pooling=None, session_id=None):
         if self._error is not None:
             raise RuntimeError(f"engine loop died: {self._error!r}")
         items, is_batch = self._prompts(prompt, input_ids)
@@ -198,7 +205,8 @@ class Engine:
         gis = [self.frontend.prepare(r or uuid.uuid4().hex, text=item if isinstance(item, str) else None,
                                      input_ids=None if isinstance(item, str) else item, sampling_params=sp,
                                      stream=stream, return_logprob=bool(lp), logprob_start_len=start,
-                                     top_logprobs_num=top, extra_key=extra_key, image_data=im, pooling=pooling)
+                                     top_logprobs_num=top, extra_key=extra_key, image_data=im, pooling=pooling,
+                                     session_id=session_id)
                for item, sp, lp, start, top, r, im in zip(items, params, flags, starts, tops, rids, images)]
         handles = [_Request(gi.rid, queue.Queue(), stream, return_text_in_logprobs=return_text_in_logprobs)
                    for gi in gis]

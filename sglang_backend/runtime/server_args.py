@@ -56,6 +56,9 @@ class ServerArgs:
     grammar_max_states: int = field(default=250_000, metadata={"help": "Most llguidance lexer states one grammar may build (1-2 kB each)"})
     grammar_lexer_fuel: int = field(default=1_000_000, metadata={"help": "llguidance work units for building one grammar's lexer (deterministic; ~50k per ms); past it the request gets 400"})
     grammar_step_fuel: int = field(default=200_000, metadata={"help": "llguidance work units for one token mask (deterministic; ~14k per ms)"})
+    session_ttl: float | None = field(default=None, metadata={"help": "Seconds a finished request's KV stays pinned for the next request of its session_id (None: adaptive, twice the 90th percentile of the gaps seen between a session's calls, 1 s to session_ttl_max; 10 s before any gap is seen; 0: no pins)"})
+    session_ttl_max: float = field(default=60.0, metadata={"help": "Longest adaptive session pin time to live, seconds"})
+    session_pin_max_fraction: float = field(default=0.5, metadata={"help": "Most of the KV pool that session pins may hold together (the oldest pins go first)"})
     enable_in_batch_prefix_dedup: bool = field(default=True, metadata={"help": "Hold back requests whose shared prefix is being computed"})
 
     # Runtime
@@ -132,6 +135,12 @@ class ServerArgs:
             raise ValueError("responses_store_size must be >= 0")
         if self.grammar_compile_timeout is not None and not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be > 0 (or unset: no wall-clock limit)")
+        if self.session_ttl is not None and not self.session_ttl >= 0:
+            raise ValueError("session_ttl must be >= 0 seconds (0: no session pins; unset: adaptive)")
+        if not self.session_ttl_max >= 1.0:
+            raise ValueError("session_ttl_max must be >= 1 second")
+        if not 0.0 <= self.session_pin_max_fraction <= 1.0:
+            raise ValueError("session_pin_max_fraction must be within [0, 1]")
         if self.grammar_backend not in ("auto", "llguidance", "fsm"):
             raise ValueError("grammar_backend must be auto, llguidance or fsm")
         for name in ("grammar_max_regex_chars", "grammar_max_states", "grammar_lexer_fuel", "grammar_step_fuel"):

@@ -113,6 +113,19 @@ def test_triton_matches_torch_native(peaked_model_dir, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mixed_chunk_matches_torch_native(peaked_model_dir, dtype):
+    """enable_mixed_chunk: the running requests decode inside 16-token prefill chunks, as one-token extends through
+    the triton extend kernel: torch_native's greedy tokens."""
+    ref, _, _ = _run(peaked_model_dir, dtype, attention_backend="torch_native")
+    out, out2, stats = _run(peaked_model_dir, dtype, attention_backend="triton", chunked_prefill_size=16,
+                            enable_mixed_chunk=True)
+    assert stats["num_mixed_batches"] > 0
+    ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
+    _same_greedy(ref_ids, ref_top, [r[0] for r in out], dtype, "triton, mixed chunks")
+    _same_greedy(ref_ids, ref_top, out2, dtype, "triton, mixed chunks, cached prefixes")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_flashinfer_matches_torch_native(peaked_model_dir_hd64, peaked_model_dir, dtype):
     """--attention-backend flashinfer (needs the flashinfer-python package): prefill/append over cached
     prefixes and decode through FlashInfer's paged wrappers give torch_native's greedy tokens; a head size

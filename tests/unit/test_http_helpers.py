@@ -489,7 +489,7 @@ def test_each_api_family_registers_its_routes():
                              "/api/tags", "/api/ps", "/api/version"},
                 operations: {"/tokenize", "/v1/models", "/health", "/health_generate", "/model_info", "/get_model_info",
                              "/server_info", "/get_server_info", "/get_load", "/v1/loads", "/get_stats", "/flush_cache",
-                             "/abort_request", "/check_pool", "/metrics"}}
+                             "/abort_request", "/end_session", "/check_pool", "/metrics"}}
     assert set(http_server.API_FAMILIES) == set(expected)
     for family, paths in expected.items():
         app = FastAPI()

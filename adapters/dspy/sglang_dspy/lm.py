@@ -98,6 +98,16 @@ class _Fork:
 
 
 _FORK: contextvars.ContextVar[_Fork | None] = contextvars.ContextVar("sglang_dspy_fork", default=None)
+# The session the current DSPy call belongs to (SGLangLM.__call__ sets it; the backends send it): the server pins
+# the call's KV for the session's next call.
+_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("sglang_dspy_session", default=None)
+
+
+def _program_session() -> str | None:
+    """The DSPy program this call runs in, as a session id: the outermost module being called, on this thread
+    (a program's steps run on one thread; ``Evaluate`` runs examples on several). None outside any module."""
+    modules = dspy.settings.caller_modules
+    return f"dspy:{id(modules[0]):x}:{threading.get_ident():x}" if modules else None
 
 
 # Hint bookkeeping ------------------------------------------------------------------------------------------------
@@ -210,7 +220,7 @@ class _EngineBackend:
         """The text pieces of one generation as they decode, then its ``_Branch`` (text: the whole reply)."""
         ids, _ = self._prompt(messages, sp, hints)
         try:
-            chunks = self.runtime.generate(input_ids=ids, sampling_params=sp, stream=True)
+            chunks = self.runtime.generate(input_ids=ids, sampling_params=sp, stream=True, session_id=_SESSION.get())
             text, meta = "", {}
             for chunk in chunks:
                 meta = chunk["meta_info"]
@@ -231,7 +241,8 @@ class _EngineBackend:
         if n > 1:  # the fork: the whole prompt once, then n branches that all start from it
             self.runtime.generate(input_ids=list(ids), sampling_params={"max_new_tokens": 0})
         want_lp = top_logprobs is not None
-        kw = dict(return_logprob=want_lp, top_logprobs_num=top_logprobs or 0, return_text_in_logprobs=True)
+        kw = dict(return_logprob=want_lp, top_logprobs_num=top_logprobs or 0, return_text_in_logprobs=True,
+                  session_id=_SESSION.get())
         try:
             if n > 1:
                 outs = self.runtime.generate(input_ids=[list(ids)] * n, sampling_params=[dict(sp) for _ in range(n)],
@@ -361,6 +372,8 @@ class _HTTPBackend:
         if top_logprobs is not None:
             body["logprobs"] = True
             body["top_logprobs"] = top_logprobs
+        if _SESSION.get() is not None:
+            body["session_id"] = _SESSION.get()
         return body
 
     def generate(self, messages: list[dict], sp: dict, n: int, top_logprobs: int | None, hints: bool) -> list[_Branch]:
@@ -580,13 +593,17 @@ class SGLangLM(dspy.LM):
     output and ChatAdapter sections as decoding constraints, default True), ``max_string_length`` /
     ``max_items`` (bounds on open string/array fields so constrained outputs close within max_tokens),
     ``engine_kwargs`` (ServerArgs for the in-process Engine), ``runtime`` (an existing Engine to share).
+    Sessions: every call inside a DSPy program is sent with a session id (the outermost module being called and
+    the thread it runs on), so the server keeps the program's KV pinned between its calls (a ``ReAct`` loop's
+    trajectory while its tool runs); ``session_id="..."`` fixes one, ``auto_session=False`` sends none.
     """
 
     def __init__(self, model_path: str | None = None, base_url: str | None = None, *, api_key: str | None = None,
                  model: str | None = None, temperature: float | None = 0.0, max_tokens: int | None = 256,
                  cache: bool = True, num_retries: int = 0, callbacks=None, prefix_hints: bool = True,
                  constrain: bool = True, max_string_length: int | None = None, max_items: int | None = None,
-                 engine_kwargs: dict | None = None, runtime: Any = None, timeout: float = 600.0, **kwargs):
+                 engine_kwargs: dict | None = None, runtime: Any = None, timeout: float = 600.0,
+                 session_id: str | None = None, auto_session: bool = True, **kwargs):
         if kwargs.pop("model_type", "chat") != "chat":
             raise ValueError("SGLangLM supports model_type='chat' only")
         if model_path is not None and base_url is not None:
@@ -604,25 +621,34 @@ class SGLangLM(dspy.LM):
         self._init_args = dict(model_path=model_path, base_url=base_url, timeout=timeout,
                                engine_kwargs=dict(engine_kwargs or {}))
         self.api_key = api_key
+        self.session_id = session_id
+        self.auto_session = auto_session
 
     # n > 1: one fork per DSPy call (see the module docstring) ----------------------------------------------------
     def _fork_for(self, kwargs: dict) -> _Fork | None:
         n = kwargs.get("n", self.kwargs.get("n")) or 1
         return _Fork(n) if isinstance(n, int) and n > 1 else None
 
+    def _session_for(self, kwargs: dict) -> str | None:
+        return kwargs.pop("session_id", None) or self.session_id or (_program_session() if self.auto_session else None)
+
     def __call__(self, prompt=None, *, messages=None, **kwargs):
+        session = _SESSION.set(self._session_for(kwargs))
         token = _FORK.set(self._fork_for(kwargs))
         try:
             return super().__call__(prompt, messages=messages, **kwargs)
         finally:
             _FORK.reset(token)
+            _SESSION.reset(session)
 
     async def acall(self, prompt=None, *, messages=None, **kwargs):
+        session = _SESSION.set(self._session_for(kwargs))
         token = _FORK.set(self._fork_for(kwargs))
         try:
             return await super().acall(prompt, messages=messages, **kwargs)
         finally:
             _FORK.reset(token)
+            _SESSION.reset(session)
 
     # Options and runtime helpers ----------------------------------------------------------------------------
     @property

@@ -53,7 +53,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough, ensure_config
 from langchain_core.utils import secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -260,6 +260,13 @@ def _common_str_prefix(texts: list[str]) -> str:
     return os.path.commonprefix(texts) if texts else ""
 
 
+def _graph_thread_session() -> str | None:
+    """The LangGraph thread this call runs in (``configurable.thread_id`` of the enclosing runnable's config), as a
+    session id: a graph's steps on one thread are one program whose KV stays pinned between its calls."""
+    thread_id = (ensure_config().get("configurable") or {}).get("thread_id")
+    return None if thread_id is None else f"lc-thread:{thread_id}"
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
     messages: list[dict]
@@ -270,6 +277,7 @@ class _Request(BaseModel):
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    session_id: str | None = None
     whole: bool = False  # streamed as one final chunk (tool calls, structured outputs: they must parse whole)
 
 
@@ -323,6 +331,11 @@ class ChatSGLang(BaseChatModel):
     """A prompt carrying a LangChain output parser's JSON format instructions (``PydanticOutputParser``,
     ``JsonOutputParser`` with a model) gets its schema as the generation constraint, so the parser downstream
     always parses (``format_instructions``); explicit constraints, tools and ``response_format`` come first."""
+    session_id: str | None = None
+    """The program / session these calls belong to: when a call finishes, its KV stays pinned for the session's
+    next call (``ServerArgs.session_ttl``; the server's ``/end_session`` or ``Engine.end_session`` releases it).
+    Without it, a call inside a LangGraph run with a ``thread_id`` uses that thread (``lc-thread:<id>``); a call's
+    own ``session_id=`` keyword comes first."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra ``Engine(...)`` arguments for the in-process transport."""
 
@@ -398,6 +411,7 @@ class ChatSGLang(BaseChatModel):
         n = int(kwargs.pop("n", None) or self.n)
         logprobs = bool(kwargs.pop("logprobs", self.logprobs))
         top_logprobs = int(kwargs.pop("top_logprobs", None) or self.top_logprobs or 0)
+        session_id = kwargs.pop("session_id", None) or _graph_thread_session() or self.session_id
         if n < 1 or not 0 <= top_logprobs <= 20:
             raise ValueError(f"n must be >= 1 (got {n}) and top_logprobs within 0-20 (got {top_logprobs})")
 
@@ -469,7 +483,7 @@ class ChatSGLang(BaseChatModel):
         chat = _to_chat(messages, "\n\n".join(system_extra) if system_extra else None)
         return _Request(messages=chat, sampling=sampling, model=model, tool_names=names, force_tool=force,
                         whole=bool(names) or response_format is not None, n=n, logprobs=logprobs or top_logprobs > 0,
-                        top_logprobs=top_logprobs)
+                        top_logprobs=top_logprobs, session_id=session_id)
 
     # Transports ---------------------------------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -497,6 +511,8 @@ class ChatSGLang(BaseChatModel):
         if req.logprobs:
             body["logprobs"] = True
             body["top_logprobs"] = req.top_logprobs
+        if req.session_id:
+            body["session_id"] = req.session_id
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -557,9 +573,9 @@ class ChatSGLang(BaseChatModel):
     def _engine_args(req: _Request) -> tuple[dict, dict]:
         """The in-process request's sampling params (``n`` among them) and logprob arguments."""
         sampling = {**req.sampling, "n": req.n} if req.n > 1 else req.sampling
-        extra = {}
+        extra: dict[str, Any] = {"session_id": req.session_id} if req.session_id else {}
         if req.logprobs:
-            extra = {"return_logprob": True, "top_logprobs_num": req.top_logprobs, "return_text_in_logprobs": True}
+            extra.update(return_logprob=True, top_logprobs_num=req.top_logprobs, return_text_in_logprobs=True)
         return sampling, extra
 
     def _choices_from_engine(self, out: dict | list[dict], req: _Request) -> list[tuple[str, dict]]:
@@ -622,7 +638,7 @@ class ChatSGLang(BaseChatModel):
         if not self.base_url:
             prompt = self.engine.apply_chat_template(req.messages)
             last = None
-            for chunk in self.engine.generate(prompt, req.sampling, stream=True):
+            for chunk in self.engine.generate(prompt, req.sampling, stream=True, session_id=req.session_id):
                 last = chunk
                 if chunk.get("text"):
                     yield chunk["text"], None
@@ -647,7 +663,8 @@ class ChatSGLang(BaseChatModel):
         if not self.base_url:
             prompt = self.engine.apply_chat_template(req.messages)
             last = None
-            async for chunk in await self.engine.async_generate(prompt, req.sampling, stream=True):
+            async for chunk in await self.engine.async_generate(prompt, req.sampling, stream=True,
+                                                                session_id=req.session_id):
                 last = chunk
                 if chunk.get("text"):
                     yield chunk["text"], None

@@ -27,6 +27,9 @@ class ServerMetrics:
         self.token_usage = Gauge(p + "token_usage", "Fraction of the KV pool held by running requests", registry=r)
         self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Prompt tokens served from cache / prompt tokens", registry=r)
         self.gen_throughput = Gauge(p + "gen_throughput", "Generated tokens/s since the previous scrape", registry=r)
+        self.session_pinned_tokens = Gauge(p + "session_pinned_tokens", "KV tokens session pins hold", registry=r)
+        self.session_reused_tokens = Gauge(p + "session_reused_tokens", "Cached prompt tokens of requests that found "
+                                           "their session's pin (re-prefill avoided), since start", registry=r)
         self._last = None
 
     def observe_ttft(self, seconds: float) -> None:
@@ -51,8 +54,12 @@ class ServerMetrics:
             self.num_running.set(stats["num_running"])
             self.num_queued.set(stats["num_waiting"])
             total = stats["max_total_num_tokens"]
-            self.token_usage.set(1 - (stats["free_tokens"] + stats["evictable_tokens"]) / total)
+            reclaimable = stats["free_tokens"] + stats["evictable_tokens"] + stats.get("session_pinned_tokens", 0)
+            self.token_usage.set(1 - reclaimable / total)
             self.cache_hit_rate.set(stats["cache_hit_rate"])
+            if "session_pinned_tokens" in stats:  # absent with session pins off
+                self.session_pinned_tokens.set(stats["session_pinned_tokens"])
+                self.session_reused_tokens.set(stats["session_reused_tokens"])
             now = time.monotonic()
             if self._last is not None and now > self._last[0]:
                 self.gen_throughput.set((stats["num_generated_tokens"] - self._last[1]) / (now - self._last[0]))

@@ -100,7 +100,8 @@ def generate_plan(obj: GenerateRequest) -> GeneratePlan:
     for item, sp, lp, st, top, rid, im in zip(*(cols[k] for k in ("item", *PER_PROMPT_FIELDS, "rid", "image_data"))):
         text, ids = (item, None) if isinstance(item, str) else (None, item)
         inputs.append(dict(text=text, input_ids=ids, sampling_params=sp, rid=rid, stream=obj.stream,
-                           return_logprob=bool(lp), logprob_start_len=st, top_logprobs_num=top, image_data=im))
+                           return_logprob=bool(lp), logprob_start_len=st, top_logprobs_num=top, image_data=im,
+                           session_id=obj.session_id))
     return GeneratePlan(inputs, is_batch, n_samples)
 
 

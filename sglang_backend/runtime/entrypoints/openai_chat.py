@@ -161,7 +161,8 @@ def chat_inputs(req: ChatCompletionRequest, prompt: str, images: list, sp: dict)
     prompt and expands its image placeholders."""
     src = dict(text=prompt, image_data=images or None, add_special_tokens=False)
     return [dict(**src, sampling_params=s, stream=req.stream, return_logprob=req.logprobs,
-                 top_logprobs_num=req.top_logprobs or 0, rid=sample_rid(req.rid, i, req.n > 1))
+                 top_logprobs_num=req.top_logprobs or 0, rid=sample_rid(req.rid, i, req.n > 1),
+                 session_id=req.session_id)
             for i, s in enumerate(parallel_samples({**sp, "n": req.n}))]
 
 

@@ -40,7 +40,7 @@ def completion_inputs(req: CompletionRequest, prompts: list, sp: dict) -> list[d
             text, ids = (p, None) if isinstance(p, str) else (None, p)
             kwargs.append(dict(text=text, input_ids=ids, sampling_params=s, stream=req.stream,
                                return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
-                               rid=sample_rid(req.rid, len(kwargs), many)))
+                               rid=sample_rid(req.rid, len(kwargs), many), session_id=req.session_id))
     return kwargs
 
 

@@ -53,6 +53,7 @@ class _SamplingFields(_Base):
     json_schema: Union[str, dict, None] = None
     ebnf: str | None = None
     rid: str | None = None
+    session_id: str | None = None  # the program / session: its KV stays pinned between its calls
 
 
 class CompletionRequest(_SamplingFields):
@@ -120,6 +121,7 @@ class GenerateRequest(_Base):
     image_data: Any = None
     rid: Union[str, list[str], None] = None
     extra_key: str | None = None
+    session_id: str | None = None  # the program / session: its KV stays pinned between its calls
     # Fields sglang-router puts into every /generate it forwards (its request type's defaults): accepted;
     # the features behind the last four must stay off (checked in the handler).
     model: str | None = None

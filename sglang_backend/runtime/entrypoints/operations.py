@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..managers.tokenizer_manager import ServerUnavailable
-from ..managers.validation import check_text
+from ..managers.validation import check_session_id, check_text
 from .app_context import AppContext, get_context
 from .errors import APIError, error_response, unavailable
 from .execution import off_loop, prepare_all, run_all
@@ -45,11 +45,12 @@ def unhealthy_response(tm):
 
 
 def load_from_stats(stats: dict) -> dict:
-    """A scheduler's stats as sglang-router's load report."""
-    free = stats["free_tokens"] + stats["evictable_tokens"]
+    """A scheduler's stats as sglang-router's load report (session-pinned KV counts as free: the scheduler takes it
+    back when work needs the memory)."""
+    free = stats["free_tokens"] + stats["evictable_tokens"] + stats.get("session_pinned_tokens", 0)
     return {"num_running_reqs": stats["num_running"], "num_waiting_reqs": stats["num_waiting"],
             "num_reqs": stats["num_running"] + stats["num_waiting"],
-            "num_tokens": stats["max_total_num_tokens"] - stats["free_tokens"] - stats["evictable_tokens"],
+            "num_tokens": stats["max_total_num_tokens"] - free,
             "token_usage": 1 - free / stats["max_total_num_tokens"],
             "cache_hit_rate": stats["cache_hit_rate"]}
 
@@ -139,6 +140,18 @@ async def abort_request(request: Request):
     return {"success": True}
 
 
+async def end_session(request: Request):
+    """A program / session is over: its pinned KV (requests sent with its ``session_id``) becomes evictable now."""
+    session_id = string_field(await read_json(request), "session_id",
+                              "give the session as {\"session_id\": \"...\"}")
+    try:
+        check_session_id(session_id)
+    except ValueError as e:
+        raise APIError(str(e), param="session_id") from None
+    released = await get_context(request).tm.control("end_session", payload=session_id)
+    return {"success": True, "released": bool(released)}
+
+
 async def check_pool(request: Request):
     problem = await get_context(request).tm.control("check_pool")
     return {"whole": problem is None, "problem": problem}
@@ -167,5 +180,6 @@ def register(app: FastAPI) -> None:
     app.get("/get_stats")(get_stats)
     app.api_route("/flush_cache", methods=["GET", "POST"])(flush_cache)
     app.post("/abort_request", openapi_extra=string_field_body("rid"))(abort_request)
+    app.post("/end_session", openapi_extra=string_field_body("session_id"))(end_session)
     app.get("/check_pool")(check_pool)
     app.get("/metrics")(metrics_endpoint)

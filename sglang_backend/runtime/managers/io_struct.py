@@ -45,6 +45,7 @@ class TokenizedGenerateReq:
     extra_key: Any = None
     mm_inputs: Any = None  # multimodal.MultimodalInputs: image hashes, spans, pixel values
     pooling: PoolingParams | None = None  # set: an embedding request (no tokens are generated)
+    session_id: str | None = None  # the program / session the request belongs to (its KV is pinned between calls)
 
 
 @dataclass
@@ -54,10 +55,11 @@ class AbortReq:
 
 @dataclass
 class ControlReq:
-    """flush_cache, get_load, get_stats, check_pool: answered with a ControlOut carrying the same id."""
+    """flush_cache, get_load, get_stats, check_pool, end_session: answered with a ControlOut carrying the same id."""
 
     kind: str
     req_id: str
+    payload: Any = None  # end_session: the session id
 
 
 @dataclass

@@ -23,6 +23,7 @@ from .validation import (
     check_grammar,
     check_input_ids,
     check_logprob_args,
+    check_session_id,
     check_text,
     check_total_length,
     parse_sampling_params,
@@ -48,12 +49,13 @@ class GenerateInput:
     owner: str = ""
     reservation: object = None  # its place in the server's bounded queue until generate() starts
     pooling: PoolingParams | None = None  # an embedding request (see io_struct.PoolingParams)
+    session_id: str | None = None  # the program / session it belongs to (its KV is pinned between calls)
 
     def tokenized(self) -> TokenizedGenerateReq:
         start = self.logprob_start_len if self.logprob_start_len is not None else -1  # -1: output logprobs only
         return TokenizedGenerateReq(self.rid, self.input_ids, self.sampling_params, self.return_logprob, start,
                                     self.top_logprobs_num, self.stream, self.extra_key, self.mm_inputs,
-                                    self.pooling)
+                                    self.pooling, self.session_id)
 
 
 class RequestFrontend:
@@ -76,9 +78,12 @@ class RequestFrontend:
                 sampling_params: dict | None = None, stream: bool = False, return_logprob: bool = False,
                 logprob_start_len: int | None = None, top_logprobs_num: int | None = 0, extra_key=None,
                 image_data=None, add_special_tokens: bool = True,
-                cancel: threading.Event | None = None, pooling: PoolingParams | None = None) -> GenerateInput:
+                cancel: threading.Event | None = None, pooling: PoolingParams | None = None,
+                session_id: str | None = None) -> GenerateInput:
         """One prompt, as ``rid``; raises ValueError with the reason. Setting ``cancel`` stops a grammar
-        compilation in progress. With ``pooling`` it is an embedding request: nothing is generated."""
+        compilation in progress. With ``pooling`` it is an embedding request: nothing is generated.
+        ``session_id``: the program / session the request belongs to (its KV stays pinned between calls)."""
+        check_session_id(session_id)
         if (text is None) == (input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
         if pooling is not None:
@@ -100,7 +105,7 @@ class RequestFrontend:
             check_grammar(sp, self.grammar_cache(), cancel)
         check_logprob_args(len(ids), logprob_start_len, top_logprobs_num)
         return GenerateInput(rid, ids, sp, stream, bool(return_logprob), logprob_start_len,
-                             int(top_logprobs_num or 0), extra_key, mm_inputs)
+                             int(top_logprobs_num or 0), extra_key, mm_inputs, session_id=session_id)
 
     def prepare_embedding(self, rid: str, text: str | None, input_ids: list[int] | None, pooling: PoolingParams,
                           add_special_tokens: bool = True) -> GenerateInput:

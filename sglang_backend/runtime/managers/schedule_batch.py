@@ -44,8 +44,10 @@ class Req:
         stream: bool = False,
         mm_inputs=None,
         pooling=None,
+        session_id: str | None = None,
     ):
         self.rid = rid
+        self.session_id = session_id  # a program / session: its KV is pinned between its calls (SessionPins)
         self.origin_input_ids = list(input_ids)
         # Images: their placeholder spans in input_ids hold hash-derived, out-of-vocabulary pad ids.
         self.mm_inputs = mm_inputs or None

@@ -23,6 +23,7 @@ from ..layers.logits_processor import token_logprobs, top_logprobs
 from ..layers.sampler import Sampler, SamplingBatchInfo
 from ..mem_cache.chunk_cache import ChunkCache
 from ..mem_cache.radix_cache import RadixCache
+from ..mem_cache.session_pins import SessionPins
 from ..mem_cache.table_cache import TableCache
 from ..model_executor.forward_batch import ForwardMode
 from ..model_executor.model_runner import ModelRunner
@@ -143,6 +144,12 @@ class Scheduler:
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.starvation_limit,
                                      server_args.random_seed)
+        # Pins need a tree to lock paths in; session_ttl 0 switches them off.
+        self.session_pins = None
+        if isinstance(self.tree_cache, RadixCache) and server_args.session_ttl != 0:
+            self.session_pins = SessionPins(self.tree_cache,
+                                            int(server_args.session_pin_max_fraction * self.max_total_num_tokens),
+                                            server_args.session_ttl, server_args.session_ttl_max)
         self.sampler = Sampler()
 
         self.waiting_queue: list[Req] = []
@@ -185,6 +192,8 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         if self.request_log is not None:
             self.request_log.append(req)
+        if req.session_id is not None and self.session_pins is not None:
+            self.session_pins.on_arrival(req.session_id)
         spec = req.grammar_spec()
         if spec is None:
             self.waiting_queue.append(req)
@@ -247,7 +256,7 @@ class Scheduler:
         still cannot be built fails alone, reported with the next ``run_iteration``."""
         try:
             req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.return_logprob, msg.logprob_start_len,
-                      msg.top_logprobs_num, msg.extra_key, msg.stream, msg.mm_inputs, msg.pooling)
+                      msg.top_logprobs_num, msg.extra_key, msg.stream, msg.mm_inputs, msg.pooling, msg.session_id)
         except Exception as e:  # noqa: BLE001 - one bad request fails alone; the loop keeps serving
             logger.warning("rejected request %s: %s", msg.rid, e)
             req = Req(msg.rid, msg.input_ids or [0], SamplingParams(max_new_tokens=0))
@@ -266,6 +275,8 @@ class Scheduler:
             return req is not None
         if kind == "flush_cache":
             return self.flush_cache()
+        if kind == "end_session":  # True if the session held a pin
+            return self.session_pins is not None and self.session_pins.end(payload)
         if kind == "get_stats":
             return self.get_stats()
         if kind == "check_pool":
@@ -292,6 +303,8 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Runs one batch. Returns the requests that got new output (tokens or a finish) in this step."""
         out = self._poll_grammars() if self.grammar_queue else []
+        if self.session_pins:
+            self.session_pins.expire()
         if self.overlap is not None:
             if self.overlap.can_run():
                 out += self.overlap.step()  # plain decode: host work overlaps the GPU step
@@ -300,6 +313,8 @@ class Scheduler:
                 return out
             out += self.overlap.drain()  # anything else sees the running batch up to date
         batch = self._get_new_batch_prefill()
+        while batch is None and self.waiting_queue and not self.running and self._release_pin_for_memory():
+            batch = self._get_new_batch_prefill()  # nothing else would ever free the memory the pins hold
         if batch is not None:
             out += self._run_extend(batch)
         elif self.running:
@@ -420,6 +435,8 @@ class Scheduler:
             req.cached_tokens = prefix_len
             self.stats.num_prompt_tokens += len(req.origin_input_ids)
             self.stats.num_cached_tokens += prefix_len
+            if req.session_id is not None and self.session_pins is not None:
+                self.session_pins.on_admitted(req.session_id, prefix_len)
         return True
 
     def _fit_extend(self, plan: PrefillPlan, req: Req, prefix_len: int) -> int | None:
@@ -673,7 +690,15 @@ class Scheduler:
         # Only requests whose last page is full need a fresh page.
         return sum(self.page_size for r in self.running if r.kv_len % self.page_size == 0)
 
+    def _release_pin_for_memory(self) -> bool:
+        if self.session_pins is None or not self.session_pins.release_oldest():
+            return False
+        logger.info("released a session pin under KV memory pressure")
+        return True
+
     def _retract_if_needed(self) -> None:
+        while self._decode_need() > self.available_tokens() and self._release_pin_for_memory():
+            pass  # live sessions' pinned KV goes before any running request is retracted
         if self._decode_need() <= self.available_tokens():
             return
         # Retract the requests that have decoded least (cheapest to redo), longest prompts first among them.
@@ -950,10 +975,12 @@ class Scheduler:
         if req.req_pool_idx is None:
             return
         t0 = time.perf_counter()
-        self.tree_cache.cache_finished_req(req, req.all_ids[: req.kv_len])
+        node = self.tree_cache.cache_finished_req(req, req.all_ids[: req.kv_len])
         self.stats.tree_op_seconds += time.perf_counter() - t0
         if req.finished():
             self.stats.num_finished += 1
+            if req.session_id is not None and self.session_pins is not None and req.finished_reason["type"] != "abort":
+                self.session_pins.pin(req.session_id, node, req.kv_len - req.kv_len % self.page_size)
 
     # Maintenance ------------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
@@ -962,6 +989,8 @@ class Scheduler:
             self.pending_outputs += self.overlap.drain()
         if self.has_work():
             return False
+        if self.session_pins is not None:
+            self.session_pins.release_all()
         self.tree_cache.reset()
         feature_cache = getattr(self.model_runner.model, "feature_cache", None)  # multimodal models
         if feature_cache is not None:
@@ -975,17 +1004,22 @@ class Scheduler:
             raise PoolNotWholeError("the scheduler is not idle")
         free = self.allocator.available_size()
         evictable = self.tree_cache.evictable_size()
+        # Session pins are the one lock allowed at idle (released by time to live, session end or memory need).
+        pinned = self.session_pins.pinned_tokens() if self.session_pins is not None else 0
         problems = []
-        if free + evictable != self.max_total_num_tokens:
-            problems.append(f"free {free} + evictable {evictable} != total {self.max_total_num_tokens}")
-        if self.tree_cache.protected_size() != 0:
-            problems.append(f"{self.tree_cache.protected_size()} tokens still locked in the tree")
+        if free + evictable + pinned != self.max_total_num_tokens:
+            problems.append(f"free {free} + evictable {evictable} + session-pinned {pinned} != total "
+                            f"{self.max_total_num_tokens}")
+        if self.tree_cache.protected_size() != pinned:
+            problems.append(f"{self.tree_cache.protected_size() - pinned} tokens still locked in the tree")
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
             problems.append("request slots still held")
         if problems:
             raise PoolNotWholeError("KV pool not whole at idle: " + "; ".join(problems))
 
     def get_stats(self) -> dict:
+        if self.session_pins:
+            self.session_pins.expire()  # an idle loop does not step: stats show the pins that are still live
         s = self.stats
         return {
             "num_prompt_tokens": s.num_prompt_tokens,
@@ -1012,6 +1046,7 @@ class Scheduler:
             "evictable_tokens": self.tree_cache.evictable_size(),
             "max_total_num_tokens": self.max_total_num_tokens,
             "new_token_ratio": self.new_token_ratio,
+            **(self.session_pins.report() if self.session_pins is not None else {}),
             **(self.model_runner.model.mm_stats() if hasattr(self.model_runner.model, "mm_stats") else {}),
         }
 
@@ -1091,4 +1126,4 @@ class SchedulerProcess:
         elif isinstance(msg, AbortReq):
             self.sched.handle_control("abort", msg.rid)
         elif isinstance(msg, ControlReq):
-            self.send.send_pyobj(ControlOut(msg.req_id, self.sched.handle_control(msg.kind)))
+            self.send.send_pyobj(ControlOut(msg.req_id, self.sched.handle_control(msg.kind, msg.payload)))

@@ -300,13 +300,13 @@ class TokenizerManager:
         self.send.send_pyobj(AbortReq(internal))
         return True
 
-    async def control(self, kind: str, timeout: float = 30.0):
+    async def control(self, kind: str, timeout: float = 30.0, payload=None):
         if self.dead_reason is not None:
             raise ServerUnavailable(self.dead_reason)
         req_id = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self.control_waiters[req_id] = fut
-        self.send.send_pyobj(ControlReq(kind, req_id))
+        self.send.send_pyobj(ControlReq(kind, req_id, payload))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

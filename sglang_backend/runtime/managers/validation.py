@@ -71,6 +71,14 @@ def check_rid(rid) -> None:
         raise ValueError(f"rid must be a printable string of 1 to {MAX_RID_CHARS} characters")
 
 
+def check_session_id(session_id) -> None:
+    if session_id is None:
+        return
+    if not isinstance(session_id, str) or not session_id or len(session_id) > MAX_RID_CHARS \
+            or not session_id.isprintable():
+        raise ValueError(f"session_id must be a printable string of 1 to {MAX_RID_CHARS} characters")
+
+
 def parse_sampling_params(params: dict | None, limits: ModelLimits, tokenizer) -> SamplingParams:
     sp = SamplingParams.from_dict(params)
     sp.verify(limits.vocab_size)

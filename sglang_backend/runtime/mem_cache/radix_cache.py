@@ -187,13 +187,14 @@ class RadixCache(CachedKVPool):
 
     # ------------------------------------------------------------------ request hooks
 
-    def cache_finished_req(self, req, token_ids) -> None:
-        """Hand a finished request's KV to the tree; free what the tree cannot or need not keep."""
+    def cache_finished_req(self, req, token_ids) -> TreeNode:
+        """Hand a finished request's KV to the tree; free what the tree cannot or need not keep. Returns the node
+        where the cached (page-aligned) sequence ends (a session pin locks its path)."""
         token_ids = _as_list(token_ids)
         n, aligned, n_prefix = len(token_ids), self._aligned(len(token_ids)), len(req.prefix_indices)
         assert n >= n_prefix
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].clone()
-        present = self.insert(token_ids[:aligned], kv[:aligned], getattr(req, "extra_key", None))
+        present, _, last = self._insert(token_ids[:aligned], kv[:aligned], getattr(req, "extra_key", None))
         assert present >= n_prefix, "the locked prefix vanished from the tree"
         # [n_prefix, present): another request cached these tokens meanwhile; ours are duplicates.
         # [aligned, n): a partial page cannot be shared, so it is not cached.
@@ -202,6 +203,7 @@ class RadixCache(CachedKVPool):
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None
+        return last
 
     def cache_unfinished_req(self, req, token_ids) -> None:
         """Cache a running request's KV so far (chunked prefill / sharing a prompt) and re-lock it.

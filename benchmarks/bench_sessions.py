@@ -1,0 +1,130 @@
+"""Session pins under memory pressure (issue 26): agents that call the model, wait for a tool, and call again with
+their history, while one-shot requests from other users stream through a KV pool too small for everyone.
+
+Each agent is a thread: ``steps`` calls, each prompt = its history so far (a unique task, then every earlier
+reply and a tool observation), ``max_new_tokens`` greedy tokens, then a tool sleep drawn from a fixed
+distribution. Meanwhile ``noise`` threads send unique one-shot prompts back to back. The same workload (same
+seeds) runs on an engine with session pins (adaptive time to live) and on one without (``session_ttl=0``: LRU
+eviction only, as any prefix cache), ``rounds`` times each, alternating.
+
+Reported per variant (medians over rounds): agent program completion time (p50, max), the agents' re-prefilled
+prompt tokens (prompt tokens the cache did not have, minus each step's new tokens: history computed again), and
+the noise requests' throughput.
+
+    python -m benchmarks.bench_sessions --out benchmarks/results/sessions_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
+         "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def agent(engine, idx: int, args, use_session: bool, out: dict) -> None:
+    rng = random.Random(1000 + idx)
+    history = f"Agent {idx} task: {words(rng, args.task_words)}\n"
+    t0 = time.perf_counter()
+    recomputed = 0
+    for step in range(args.steps):
+        new_tokens = len(engine.tokenizer.encode(history)) - out.setdefault("_last_len", {}).get(idx, 0)
+        r = engine.generate(history, {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True},
+                            session_id=f"agent-{idx}" if use_session else None)
+        meta = r["meta_info"]
+        recomputed += max(0, meta["prompt_tokens"] - meta["cached_tokens"] - new_tokens)
+        history += r["text"] + f"\nObservation {step}: {words(rng, args.obs_words)}\n"
+        out["_last_len"][idx] = meta["prompt_tokens"] + meta["completion_tokens"]
+        time.sleep(rng.uniform(*args.tool_s))
+    out.setdefault("agents", []).append(dict(seconds=time.perf_counter() - t0, recomputed_tokens=recomputed))
+
+
+def noise(engine, idx: int, args, stop: threading.Event, out: dict) -> None:
+    rng = random.Random(5000 + idx)
+    n = 0
+    while not stop.is_set():
+        engine.generate(f"User {idx}-{n}: {words(rng, args.noise_words)}", {"max_new_tokens": 4, "temperature": 0})
+        n += 1
+    out.setdefault("noise_requests", []).append(n)
+
+
+def one_run(args, use_session: bool) -> dict:
+    from sglang_backend import Engine  # deferred: the whole runtime
+
+    engine = Engine(max_total_tokens=args.pool_tokens, log_level="warning",
+                    **({} if use_session else {"session_ttl": 0}))
+    try:
+        out: dict = {}
+        stop = threading.Event()
+        noisy = [threading.Thread(target=noise, args=(engine, i, args, stop, out)) for i in range(args.noise)]
+        agents = [threading.Thread(target=agent, args=(engine, i, args, use_session, out)) for i in range(args.agents)]
+        t0 = time.perf_counter()
+        for t in noisy + agents:
+            t.start()
+        for t in agents:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        for t in noisy:
+            t.join()
+        stats = engine.get_stats()
+        for name in [f"agent-{i}" for i in range(args.agents)]:
+            engine.end_session(name)
+        engine.check_pool_whole()
+    finally:
+        engine.shutdown()
+    times = sorted(a["seconds"] for a in out["agents"])
+    return dict(sessions=use_session, elapsed_s=elapsed, agent_p50_s=statistics.median(times), agent_max_s=times[-1],
+                recomputed_tokens=sum(a["recomputed_tokens"] for a in out["agents"]),
+                noise_requests_per_s=sum(out.get("noise_requests", [])) / elapsed,
+                evicted_tokens=stats["num_evicted_tokens"],
+                pins={k: v for k, v in stats.items() if k.startswith("session_")})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--task-words", type=int, default=120)
+    ap.add_argument("--obs-words", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--tool-s", type=float, nargs=2, default=(0.5, 1.5), metavar=("MIN", "MAX"))
+    ap.add_argument("--noise", type=int, default=1, help="threads of one-shot requests from other users")
+    ap.add_argument("--noise-words", type=int, default=300)
+    ap.add_argument("--pool-tokens", type=int, default=3072, help="KV pool: too small for all agents plus noise")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    runs = []
+    for rnd in range(args.rounds):
+        for use_session in ((True, False) if rnd % 2 == 0 else (False, True)):
+            runs.append(dict(round=rnd, **one_run(args, use_session)))
+            r = runs[-1]
+            print(f"round {rnd} sessions={'on ' if use_session else 'off'}: agents p50 {r['agent_p50_s']:.2f} s, "
+                  f"max {r['agent_max_s']:.2f} s, re-prefilled {r['recomputed_tokens']} tokens, "
+                  f"noise {r['noise_requests_per_s']:.2f} req/s", flush=True)
+    summary = {}
+    for on in (True, False):
+        mine = [r for r in runs if r["sessions"] == on]
+        summary["on" if on else "off"] = {k: statistics.median(r[k] for r in mine)
+                                          for k in ("agent_p50_s", "agent_max_s", "recomputed_tokens",
+                                                    "noise_requests_per_s")}
+    summary["p50_speedup_on_over_off"] = summary["off"]["agent_p50_s"] / summary["on"]["agent_p50_s"]
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(args=vars(args), runs=runs, summary=summary), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
