@@ -563,3 +563,31 @@ def test_grammar_over_budget_mid_decode_is_a_400_for_that_request_only(make_sche
                                  "status_code": 400}, a.finished_reason
     assert len(a.output_ids) < 8 and sched.get_stats()["num_aborted"] == 1  # ended early, alone
     assert b.finished_reason["type"] == "length" and len(b.output_ids) == 8
+
+
+def test_a_failing_logprob_step_fails_that_request_only(make_sched, monkeypatch):
+    """Prompt logprobs that raise for one request end it with a 500 and free its KV; the other request of the
+    same prefill batch goes on (the loop does not die)."""
+    from sglang_backend.runtime.managers.scheduler import Scheduler
+
+    sched = make_sched(max_total_tokens=1024)
+    rng = random.Random(9)
+    a = new_req(sched, "a", rand_ids(rng, 12), max_new_tokens=4, ignore_eos=True)
+    b = new_req(sched, "b", rand_ids(rng, 12), max_new_tokens=4, ignore_eos=True)
+    a.return_logprob = b.return_logprob = True
+    a.logprob_start_len = b.logprob_start_len = 0
+    a.input_logprobs_done = b.input_logprobs_done = False
+    original = Scheduler._add_input_logprobs
+
+    def broken_for_a(self, req, prefix_len, logits):
+        if req.rid == "a":
+            raise IndexError("broken")
+        return original(self, req, prefix_len, logits)
+
+    monkeypatch.setattr(Scheduler, "_add_input_logprobs", broken_for_a)
+    for r in (a, b):
+        sched.add_request(r)
+    drain(sched)
+    assert a.finished_reason["status_code"] == 500 and "logprob step failed" in a.finished_reason["message"]
+    assert b.finished_reason["type"] == "length" and len(b.output_ids) == 4
+    assert len(b.input_token_logprobs) == 12

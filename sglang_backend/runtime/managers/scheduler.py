@@ -569,15 +569,8 @@ class Scheduler:
                 decode_reqs.append(req)
                 decode_rows.append(req_logits[-1])
                 continue
-            n_prompt = self._prompt_logprob_rows(req, p, e)
-            output_positions = req.output_logprob_positions(p, e)
-            if not req.input_logprobs_done:
-                self._add_input_logprobs(req, p, req_logits[:n_prompt])
-                if not req.is_chunked:
-                    req.input_logprobs_done = True
-            if output_positions:
-                scored = req_logits[n_prompt : n_prompt + len(output_positions)]
-                self._add_output_logprobs(req, output_positions, scored)
+            if not self._add_extend_logprobs(req, p, e, req_logits):
+                continue
             if req.is_chunked:
                 self._cache_unfinished(req)
                 self.chunked_req = req
@@ -620,6 +613,24 @@ class Scheduler:
         req.finished_reason = finish_stop(None)
         self.release(req)
 
+    def _add_extend_logprobs(self, req: Req, prefix_len: int, extend: int, logits: torch.Tensor) -> bool:
+        """The prompt and forced-output logprobs this extend scored for ``req`` (its rows of ``logits``). False if
+        that failed: the request is failed alone (the batch and the loop go on)."""
+        try:
+            n_prompt = self._prompt_logprob_rows(req, prefix_len, extend)
+            output_positions = req.output_logprob_positions(prefix_len, extend)
+            if not req.input_logprobs_done:
+                self._add_input_logprobs(req, prefix_len, logits[:n_prompt])
+                if not req.is_chunked:
+                    req.input_logprobs_done = True
+            if output_positions:
+                self._add_output_logprobs(req, output_positions, logits[n_prompt : n_prompt + len(output_positions)])
+        except Exception as e:  # noqa: BLE001 - one request's logprobs fail that request only
+            logger.exception("logprobs of request %s failed", req.rid)
+            self.fail_request(req, f"the logprob step failed for this request ({type(e).__name__}: {e})")
+            return False
+        return True
+
     def _add_input_logprobs(self, req: Req, prefix_len: int, logits: torch.Tensor) -> None:
         first = req.first_logprob_position(prefix_len)
         if req.logprob_start_len == 0 and prefix_len == 0:
@@ -641,7 +652,9 @@ class Scheduler:
         before them that this extend recomputed: the model's distribution, as for sampled tokens."""
         start = positions.start + 1 - len(req.origin_input_ids)  # the output index the first row scores
         # Req.max_prefix_len keeps the first unscored token's position in the extend: entries stay in order.
-        assert start == len(req.output_token_logprobs), (start, len(req.output_token_logprobs))
+        if start != len(req.output_token_logprobs):
+            raise RuntimeError(f"output logprobs out of order: row for output {start}, "
+                               f"{len(req.output_token_logprobs)} entries")
         targets = torch.tensor(req.output_ids[start : start + len(logits)], dtype=torch.int64, device=logits.device)
         req.output_token_logprobs.extend(zip(token_logprobs(logits, targets).tolist(), targets.tolist()))
         if req.top_logprobs_num:
