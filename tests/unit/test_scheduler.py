@@ -198,6 +198,34 @@ def test_mixed_chunk_decodes_running_requests_while_a_long_prompt_is_chunked(mak
     assert outputs[True] == outputs[False]
 
 
+def test_mixed_chunk_under_memory_pressure_finishes_everything_with_the_same_tokens(make_sched):
+    """Running requests grow by one token in every mixed chunk: in pools too small for a long chunked prompt
+    beside 24 decoding requests (retractions happen), every request still gets all its tokens, equal to a roomy
+    pool's without mixed chunks."""
+    rng = random.Random(21)
+    shorts, long = [rand_ids(rng, 12) for _ in range(24)], rand_ids(rng, 200)
+
+    def run_all(pool: int, mixed: bool) -> tuple[list[list[int]], int]:
+        sched = make_sched(max_total_tokens=pool, chunked_prefill_size=16, enable_mixed_chunk=mixed)
+        reqs = [new_req(sched, f"s{i}", ids, max_new_tokens=48, ignore_eos=True) for i, ids in enumerate(shorts)]
+        for r in reqs:
+            sched.add_request(r)
+        sched.step()  # the short prompts' prefill: they are decoding now
+        reqs.append(new_req(sched, "long", long, max_new_tokens=4, ignore_eos=True))
+        sched.add_request(reqs[-1])
+        drain(sched)
+        assert all(r.finished_reason["type"] == "length" for r in reqs), [r.finished_reason for r in reqs]
+        return [r.output_ids for r in reqs], sched.get_stats()["num_retractions"]
+
+    expected, _ = run_all(4096, mixed=False)
+    retractions = 0
+    for pool in (216, 280):
+        outputs, n = run_all(pool, mixed=True)
+        assert outputs == expected, pool
+        retractions += n
+    assert retractions > 0, "no memory pressure: the pools are too large for this test"
+
+
 # Starvation bound -------------------------------------------------------------------------------------------------
 def rounds_until_low_match_finishes(make_sched, starvation_limit: int, stream_len: int) -> int:
     """LPM, one request per prefill round. A low-match request waits while every round a new request arrives

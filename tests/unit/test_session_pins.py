@@ -162,3 +162,18 @@ def test_flush_forgets_pins(make_sched):
     run(sched, "r", rand_ids(rng, 20), session_id="s")
     assert sched.flush_cache()
     assert sched.get_stats()["session_pinned_sessions"] == 0
+
+
+def test_a_chunked_prompt_that_meets_pinned_memory_mid_way_gets_it(make_sched):
+    """As above with the prompt chunked: the first chunks fit beside the pins, a later one does not; the pins
+    are released for it (the loop does not die with 'out of KV memory')."""
+    rng = random.Random(15)
+    sched = make_sched(max_total_tokens=200, session_ttl=60, session_pin_max_fraction=1.0, chunked_prefill_size=16)
+    run(sched, "p1", rand_ids(rng, 76), session_id="a")
+    run(sched, "p2", rand_ids(rng, 76), session_id="b")
+    assert sched.get_stats()["session_pinned_tokens"] == 158
+    big = run(sched, "big", rand_ids(rng, 100), max_new_tokens=8)
+    assert big.finished_reason["type"] == "length" and len(big.output_ids) == 8
+    assert sched.get_stats()["session_pins_released_for_memory"] >= 1
+    for name in list(sched.session_pins.pins):
+        sched.handle_control("end_session", name)

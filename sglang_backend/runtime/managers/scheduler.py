@@ -349,8 +349,10 @@ class Scheduler:
             extend = min(remaining, self._page_floor(plan.chunk_budget, remaining))
             extend = self._logprob_cap(plan, req, req.kv_len, extend)
             req.is_chunked = extend < remaining
-            if not self._admit(plan, req, extend):
-                raise RuntimeError("out of KV memory while continuing a chunked prefill")
+            while not self._admit(plan, req, extend):
+                if not self._release_pin_for_memory():
+                    self._retract_chunked(req)  # its computed chunks wait in the tree; it resumes from there
+                    break
 
         t0 = time.perf_counter()
         ordered = self.policy.order(self.waiting_queue)
@@ -369,15 +371,17 @@ class Scheduler:
             if id(req) not in admitted_ids:
                 req.skipped_rounds += 1
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted_ids]
-        decoding = self._mix_running() if sa.enable_mixed_chunk else []
+        decoding = self._mix_running(plan) if sa.enable_mixed_chunk else []
         return self._build_extend_batch(admitted + decoding, plan.prefix_lens + [r.kv_len - 1 for r in decoding],
                                         plan.extend_lens + [1] * len(decoding))
 
-    def _mix_running(self) -> list[Req]:
+    def _mix_running(self, plan: PrefillPlan) -> list[Req]:
         """The running requests, each given the KV slot of its next token, to decode in the prefill batch as
         one-token extends over their cached KV (mixed chunk); none if their slots do not fit now (the next decode
-        step retracts as usual)."""
-        if not self.running or self._decode_need() > self.available_tokens():
+        step retracts as usual), or if they would take the room a chunked prompt of this batch still needs for
+        its remaining chunks (running requests grow with every mixed chunk; admission reserved less for them)."""
+        chunk_rest = sum(r.seq_len - r.kv_len for r in plan.reqs if r.is_chunked)
+        if not self.running or self._decode_need() + chunk_rest > self.available_tokens():
             return []
         self._alloc_decode_slots(self.running)
         for req in self.running:
@@ -708,6 +712,17 @@ class Scheduler:
             return False
         logger.info("released a session pin under KV memory pressure")
         return True
+
+    def _retract_chunked(self, req: Req) -> None:
+        """A chunked prompt whose next chunk no longer fits (the running requests grew meanwhile) goes back to
+        the front of the waiting queue; the chunks it computed stay in the tree, so it resumes from them."""
+        self.release(req)
+        req.reset_kv_state()
+        req.num_retractions += 1
+        self.stats.num_retractions += 1
+        self.waiting_queue.insert(0, req)
+        self.new_token_ratio = 1.0
+        logger.info("a chunked prompt's next chunk did not fit; it waits for memory")
 
     def _retract_if_needed(self) -> None:
         while self._decode_need() > self.available_tokens() and self._release_pin_for_memory():
