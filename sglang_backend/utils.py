@@ -158,6 +158,43 @@ def time_limit(seconds: float) -> Iterator[None]:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(tid, None)
 
 
+def download_and_cache_file(url: str, filename: str | None = None) -> str:
+    """Upstream's ``sglang.utils.download_and_cache_file`` (its benchmark programs fetch data sets with it): the
+    file at ``url`` saved as ``filename`` (default: its last path part, under our cache root's ``downloads/``),
+    downloaded once with a progress bar; later calls return the saved path. An HTTP error raises."""
+    import shutil
+    import urllib.request
+
+    from tqdm import tqdm  # deferred: a dependency, but not one every process needs
+
+    from .runtime.model_loader.embedded import cache_root
+
+    if filename is None:
+        filename = os.path.join(cache_root(), "downloads", url.rstrip("/").split("/")[-1])
+    if os.path.exists(filename):
+        return filename
+    os.makedirs(os.path.dirname(os.path.abspath(filename)), exist_ok=True)
+    partial = f"{filename}.part"
+    with urllib.request.urlopen(url) as resp, open(partial, "wb") as out:
+        total = int(resp.headers.get("Content-Length") or 0) or None
+        with tqdm(total=total, unit="B", unit_scale=True, desc=os.path.basename(filename)) as bar:
+            while chunk := resp.read(1 << 16):
+                out.write(chunk)
+                bar.update(len(chunk))
+    shutil.move(partial, filename)  # only a whole download is ever found by a later call
+    return filename
+
+
+def read_jsonl(filename: str) -> Iterator:
+    """Upstream's ``sglang.utils.read_jsonl``: the JSON value of each line, skipping blank and ``#`` lines."""
+    import json  # deferred: rarely needed
+
+    with open(filename, encoding="utf-8") as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                yield json.loads(line)
+
+
 class HttpResponse:
     """What ``http_request`` returns: upstream's shape (``status_code``, ``json()``, ``text``, ``iter_lines()``)."""
 

@@ -16,12 +16,9 @@ def test_generate_session_pins_and_end_session_releases(http):
     first = http.post("/generate", json={"text": "Session turn one: tell me about", "sampling_params": greedy,
                                          "session_id": "http-s1"})
     assert first.status_code == 200, first.text
+    # Counters, not the pins held: other tests' pins on this server may expire meanwhile.
     mid = stats(http)
-    assert mid["session_pinned_sessions"] == before["session_pinned_sessions"] + 1
-    assert mid["session_pinned_tokens"] > 0
-    metrics = http.get("/metrics").text
-    line = next(x for x in metrics.splitlines() if x.startswith("sglang_backend_session_pinned_tokens "))
-    assert float(line.split()[1]) == mid["session_pinned_tokens"]
+    assert mid["session_pins_taken"] == before["session_pins_taken"] + 1 and mid["session_pinned_tokens"] > 0
     turn2 = "Session turn one: tell me about" + first.json()["text"] + " And then?"
     second = http.post("/generate", json={"text": turn2, "sampling_params": greedy, "session_id": "http-s1"})
     assert second.status_code == 200, second.text
@@ -29,9 +26,12 @@ def test_generate_session_pins_and_end_session_releases(http):
     after = stats(http)
     assert after["session_pins_taken"] == before["session_pins_taken"] + 2
     assert after["session_reused_tokens"] > before["session_reused_tokens"]
+    metrics = http.get("/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith("sglang_backend_session_reused_tokens "))
+    assert float(line.split()[1]) == after["session_reused_tokens"]
+    assert any(x.startswith("sglang_backend_session_pinned_tokens ") for x in metrics.splitlines())
     r = http.post("/end_session", json={"session_id": "http-s1"})
     assert r.status_code == 200 and r.json() == {"success": True, "released": True}
-    assert stats(http)["session_pinned_sessions"] == before["session_pinned_sessions"]
     r = http.post("/end_session", json={"session_id": "http-s1"})  # already released
     assert r.status_code == 200 and r.json()["released"] is False
 

@@ -619,3 +619,20 @@ def test_a_failing_logprob_step_fails_that_request_only(make_sched, monkeypatch)
     assert a.finished_reason["status_code"] == 500 and "logprob step failed" in a.finished_reason["message"]
     assert b.finished_reason["type"] == "length" and len(b.output_ids) == 4
     assert len(b.input_token_logprobs) == 12
+
+
+def test_a_request_that_does_not_fit_is_not_left_marked_chunked(make_sched):
+    """_fit_extend may first plan a chunk (the prompt exceeds the chunk budget) and then find no logprob budget
+    left for it: the request stays waiting, and must not stay flagged as chunked (a request admitted whole
+    later with the flag still set would not be sampled)."""
+    from sglang_backend.runtime.managers.scheduler import PrefillPlan
+
+    sched = make_sched(max_total_tokens=1024, chunked_prefill_size=16)
+    req = new_req(sched, "lp", rand_ids(random.Random(30), 40), max_new_tokens=2)
+    req.return_logprob, req.logprob_start_len, req.input_logprobs_done = True, 0, False
+    other = new_req(sched, "other", rand_ids(random.Random(31), 4), max_new_tokens=2)
+    plan = PrefillPlan(chunk_budget=16, input_budget=4096, decode_reserve=0, logprob_budget=0, reqs=[other])
+    assert sched._fit_extend(plan, req, 0) is None
+    assert req.is_chunked is False
+    roomy = PrefillPlan(chunk_budget=16, input_budget=4096, decode_reserve=0, logprob_budget=1 << 20)
+    assert sched._fit_extend(roomy, req, 0) == 16 and req.is_chunked is True  # a planned chunk is flagged

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+import types
 
 import pytest
 
@@ -177,3 +178,37 @@ def test_a_chunked_prompt_that_meets_pinned_memory_mid_way_gets_it(make_sched):
     assert sched.get_stats()["session_pins_released_for_memory"] >= 1
     for name in list(sched.session_pins.pins):
         sched.handle_control("end_session", name)
+
+
+def test_gaps_longer_than_the_time_to_live_still_raise_it():
+    """An agent's fast model-to-model steps and slow tool calls: the slow gaps outlast the pins (which expire),
+    yet are measured, so the adaptive time to live grows to cover them instead of staying at the 1 s floor."""
+    from sglang_backend.runtime.mem_cache.session_pins import MIN_TTL_S, SessionPins
+
+    class Tree:  # the lock calls SessionPins makes, counted
+        root_node = object()
+        locks = 0
+
+        def inc_lock_ref(self, node):
+            Tree.locks += 1
+
+        def dec_lock_ref(self, node):
+            Tree.locks -= 1
+
+    now = [0.0]
+    pins = SessionPins(Tree(), max_tokens=1000, ttl=None, ttl_max=60.0, clock=lambda: now[0])
+    node = types.SimpleNamespace(value=[0] * 10, parent=Tree.root_node)
+    for step in range(10):
+        pins.on_arrival("agent")
+        now[0] += 0.1  # the model call
+        pins.pin("agent", node, 10)
+        gap = 6.0 if step % 3 == 2 else 0.05  # every third gap is a slow tool call
+        now[0] += gap
+        pins.expire()
+        if gap > pins.ttl():
+            assert "agent" not in pins.pins  # expired while the tool ran
+    assert max(pins.gaps) == 6.0  # the slow gaps were measured although their pins had gone
+    assert pins.ttl() == 12.0 > MIN_TTL_S  # twice the p90
+    pins.end("agent")
+    pins.on_arrival("agent")  # an ended session starts afresh: no gap from before its end
+    assert len(pins.gaps) == 9 and Tree.locks == 0

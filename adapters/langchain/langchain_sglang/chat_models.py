@@ -334,8 +334,8 @@ class ChatSGLang(BaseChatModel):
     session_id: str | None = None
     """The program / session these calls belong to: when a call finishes, its KV stays pinned for the session's
     next call (``ServerArgs.session_ttl``; the server's ``/end_session`` or ``Engine.end_session`` releases it).
-    Without it, a call inside a LangGraph run with a ``thread_id`` uses that thread (``lc-thread:<id>``); a call's
-    own ``session_id=`` keyword comes first."""
+    Precedence: a call's own ``session_id=`` keyword, then the ``thread_id`` of an enclosing LangGraph run
+    (``lc-thread:<id>``: a model shared by several threads keeps them apart), then this field."""
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra ``Engine(...)`` arguments for the in-process transport."""
 

@@ -452,19 +452,22 @@ class Scheduler:
         if extend + reserve > self.available_tokens() and (self.running or plan.reqs):
             return None
         budget = min(plan.chunk_budget, plan.input_budget)
+        chunked = False  # set on the request only once it is admitted (a request left waiting stays unchunked)
         if extend > budget:
             if sa.chunked_prefill_size > 0:
                 extend = self._page_floor(budget, extend)
                 if extend <= 0:
                     return None
-                req.is_chunked = True
+                chunked = True
             elif plan.reqs:
                 return None
         capped = self._logprob_cap(plan, req, prefix_len, extend)
         if capped < extend:
-            if sa.chunked_prefill_size <= 0 or capped <= 0:
-                return None if plan.reqs else extend  # the next batch has the budget; alone, it runs whole
-            extend, req.is_chunked = capped, True
+            if sa.chunked_prefill_size > 0 and capped > 0:
+                extend, chunked = capped, True
+            elif plan.reqs:
+                return None  # the next batch has the budget; alone, it runs this extend whole
+        req.is_chunked = chunked
         return extend
 
     @staticmethod

@@ -8,7 +8,9 @@ ends (``end``), its time to live passes, or the scheduler needs the memory for w
 cached when it calls again, while eviction takes the KV of finished programs and of sessions without a pin first.
 
 Time to live: ``ttl`` seconds if given; else adaptive: twice the 90th percentile of the gaps seen between one
-of a session's requests finishing and the session's next request arriving (the last 256 gaps), kept within
+of a session's requests finishing and the session's next request arriving (the last 256 gaps; also the gaps
+longer than the time to live then in force, whose pins had expired: an agent's slow tool calls must raise it), kept
+within
 [``MIN_TTL_S``, ``ttl_max``], and ``DEFAULT_TTL_S`` before any gap is seen. The tokens under all pins together are
 bounded by ``max_tokens``: a new pin that passes the bound releases the oldest pins; one that alone passes it is
 not taken.
@@ -17,20 +19,20 @@ not taken.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
 MIN_TTL_S = 1.0
 DEFAULT_TTL_S = 10.0
 GAP_WINDOW = 256
+REMEMBERED_SESSIONS = 4096  # sessions whose last finish is kept after their pin went, to measure their next gap
 
 
 @dataclass
 class SessionPin:
     node: Any  # the tree node where the pinned sequence ends (its path to the root is locked)
     tokens: int  # the pinned sequence's length
-    finished_at: float  # when the request that took the pin finished (gaps are measured from here)
     deadline: float
 
 
@@ -54,6 +56,7 @@ class SessionPins:
         self.clock = clock
         self.pins: dict[str, SessionPin] = {}  # oldest first (a moved pin goes to the end)
         self.gaps: deque[float] = deque(maxlen=GAP_WINDOW)
+        self.last_finished: OrderedDict[str, float] = OrderedDict()  # session -> when its last request finished
         self.stats = SessionPinStats()
 
     def __bool__(self) -> bool:
@@ -70,12 +73,12 @@ class SessionPins:
 
     # Requests ---------------------------------------------------------------------------------------------------
     def on_arrival(self, session_id: str) -> SessionPin | None:
-        """A request of the session arrived: the gap since the session's last finish is recorded; returns the
-        session's pin (None: none)."""
-        pin = self.pins.get(session_id)
-        if pin is not None:
-            self.gaps.append(max(self.clock() - pin.finished_at, 0.0))
-        return pin
+        """A request of the session arrived: the gap since the session's last finish is recorded (pinned or
+        not); returns the session's pin (None: none)."""
+        finished_at = self.last_finished.pop(session_id, None)
+        if finished_at is not None:
+            self.gaps.append(max(self.clock() - finished_at, 0.0))
+        return self.pins.get(session_id)
 
     def on_admitted(self, session_id: str, cached_tokens: int) -> None:
         pin = self.pins.get(session_id)
@@ -85,16 +88,20 @@ class SessionPins:
     def pin(self, session_id: str, node, tokens: int) -> bool:
         """Moves the session's pin to ``node`` (the end of a ``tokens``-long sequence a request just cached)."""
         now = self.clock()
+        self.last_finished[session_id] = now
+        self.last_finished.move_to_end(session_id)
+        if len(self.last_finished) > REMEMBERED_SESSIONS:
+            self.last_finished.popitem(last=False)
         if node is None or tokens <= 0 or tokens > self.max_tokens:
             if tokens > self.max_tokens:
                 self.stats.num_over_bound += 1
-            self.end(session_id, count=False)  # the session moved on: its older sequence is not worth keeping
+            self._release_if_pinned(session_id)  # the session moved on: its older sequence is not worth keeping
             return False
         self.tree.inc_lock_ref(node)  # before the old pin goes, so a shared path is never unlocked between
         old = self.pins.pop(session_id, None)
         if old is not None:
             self.tree.dec_lock_ref(old.node)
-        self.pins[session_id] = SessionPin(node, tokens, now, now + self.ttl())
+        self.pins[session_id] = SessionPin(node, tokens, now + self.ttl())
         self.stats.num_pinned += 1
         while self.pinned_tokens() > self.max_tokens and len(self.pins) > 1:
             self._release(next(iter(self.pins)))
@@ -103,11 +110,17 @@ class SessionPins:
 
     # Releases ---------------------------------------------------------------------------------------------------
     def end(self, session_id: str, count: bool = True) -> bool:
-        """The session is over: its pin goes now. False if it held none."""
+        """The session is over: its pin goes now, and its last finish is forgotten. False if it held no pin."""
+        self.last_finished.pop(session_id, None)
+        if not self._release_if_pinned(session_id):
+            return False
+        self.stats.num_ended += 1
+        return True
+
+    def _release_if_pinned(self, session_id: str) -> bool:
         if session_id not in self.pins:
             return False
         self._release(session_id)
-        self.stats.num_ended += count
         return True
 
     def expire(self) -> int:
@@ -133,6 +146,7 @@ class SessionPins:
         """Every pin goes (a cache flush empties the tree)."""
         for session_id in list(self.pins):
             self._release(session_id)
+        self.last_finished.clear()
 
     def _release(self, session_id: str) -> None:
         self.tree.dec_lock_ref(self.pins.pop(session_id).node)
