@@ -199,3 +199,20 @@ def test_request_ids_are_scoped_per_api_key(rel_server):
 
     ok, last = asyncio.run(while_running("mine", owner))
     assert ok.status_code == 200 and last["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_session_ids_are_scoped_per_api_key(rel_server):
+    """As request ids: B's session of the same name is its own (its request does not move A's pin), and B can
+    neither end A's session nor learn that it exists."""
+    a = {"Authorization": f"Bearer {KEY_A}"}
+    b = {"Authorization": f"Bearer {KEY_B}"}
+    greedy = {"max_new_tokens": 2, "temperature": 0}
+    with httpx.Client(base_url=rel_server.url, timeout=60) as client:
+        for headers, prompt in ((a, PROMPTS[0]), (b, PROMPTS[1])):
+            r = client.post("/generate", headers=headers,
+                            json={"input_ids": prompt, "sampling_params": greedy, "session_id": "shared-s"})
+            assert r.status_code == 200, r.text
+        assert client.get("/get_stats", headers=a).json()["session_pinned_sessions"] >= 2  # two sessions, not one
+        ended = [client.post("/end_session", headers=h, json={"session_id": "shared-s"}).json()["released"]
+                 for h in (b, b, a, a)]
+    assert ended == [True, False, True, False]  # each ends its own, once

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..managers.tokenizer_manager import ServerUnavailable
-from ..managers.validation import check_session_id, check_text
+from ..managers.validation import check_session_id, check_text, scoped_session_id
 from .app_context import AppContext, get_context
 from .errors import APIError, error_response, unavailable
 from .execution import off_loop, prepare_all, run_all
@@ -148,7 +148,8 @@ async def end_session(request: Request):
         check_session_id(session_id)
     except ValueError as e:
         raise APIError(str(e), param="session_id") from None
-    released = await get_context(request).tm.control("end_session", payload=session_id)
+    released = await get_context(request).tm.control("end_session",
+                                                      payload=scoped_session_id(request_owner(request), session_id))
     return {"success": True, "released": bool(released)}
 
 

@@ -24,7 +24,7 @@ import zmq.asyncio
 from ... import environ
 from .io_struct import AbortReq, BatchStrOut, ControlOut, ControlReq, SchedulerFailed
 from .request_frontend import GenerateInput, RequestFrontend, RequestState
-from .validation import ModelLimits, check_rid
+from .validation import ModelLimits, check_rid, scoped_session_id
 
 __all__ = ["GenerateInput", "Overloaded", "RequestFailed", "RequestState", "ServerUnavailable", "TokenizerManager"]
 
@@ -214,6 +214,7 @@ class TokenizerManager:
             raise ValueError(f"request id {rid!r} is already in use")
         gi = self.frontend.prepare(uuid.uuid4().hex, **kwargs)
         gi.client_rid, gi.owner = rid, owner
+        gi.session_id = scoped_session_id(owner, gi.session_id)
         return gi
 
     def check_capacity(self, gis: list[GenerateInput]) -> None:

@@ -79,6 +79,13 @@ def check_session_id(session_id) -> None:
         raise ValueError(f"session_id must be a printable string of 1 to {MAX_RID_CHARS} characters")
 
 
+def scoped_session_id(owner: str, session_id: str | None) -> str | None:
+    """The scheduler's key of a client's session: in its owner's namespace (as request ids are), so another
+    credential can neither move nor end it, nor learn that it exists. No owner (in-process, no API key): as is.
+    NUL cannot occur in a client's id (check_session_id), so a scoped key never equals an unscoped one."""
+    return session_id if not owner or session_id is None else f"{owner}\x00{session_id}"
+
+
 def parse_sampling_params(params: dict | None, limits: ModelLimits, tokenizer) -> SamplingParams:
     sp = SamplingParams.from_dict(params)
     sp.verify(limits.vocab_size)
