@@ -8,9 +8,8 @@ ends (``end``), its time to live passes, or the scheduler needs the memory for w
 cached when it calls again, while eviction takes the KV of finished programs and of sessions without a pin first.
 
 Time to live: ``ttl`` seconds if given; else adaptive: twice the 90th percentile of the gaps seen between one
-of a session's requests finishing and the session's next request arriving (the last 256 gaps; also the gaps
-longer than the time to live then in force, whose pins had expired: an agent's slow tool calls must raise it), kept
-within
+of a session's requests finishing and the session's next request arriving (the last 256 gaps, also those longer
+than the time to live then in force, whose pins had expired: an agent's slow tool calls must raise it), kept within
 [``MIN_TTL_S``, ``ttl_max``], and ``DEFAULT_TTL_S`` before any gap is seen. The tokens under all pins together are
 bounded by ``max_tokens``: a new pin that passes the bound releases the oldest pins; one that alone passes it is
 not taken.
@@ -109,7 +108,7 @@ class SessionPins:
         return True
 
     # Releases ---------------------------------------------------------------------------------------------------
-    def end(self, session_id: str, count: bool = True) -> bool:
+    def end(self, session_id: str) -> bool:
         """The session is over: its pin goes now, and its last finish is forgotten. False if it held no pin."""
         self.last_finished.pop(session_id, None)
         if not self._release_if_pinned(session_id):
