@@ -30,6 +30,7 @@ Sections (``--only``, comma-separated; they run in this order whatever the order
 * engine_trace: GPU timeline of the engine loop: kernel time and idle gaps per step.
 * cpu_profile: where the scheduler thread's CPU time goes.
 * shared: 128 requests = one 1024-token prefix + 64 unique tokens each, 32 output tokens (greedy), requests/s.
+* shared_trace: the same workload once under the profiler: GPU time by kernel kind, idle time, longest gaps.
 * offline: 1k in / 1k out, as many requests as fit the KV pool in one wave (at most 64), output tokens/s.
 * no_overlap, no_pdl: engine_decode and offline on an engine with the overlapped scheduler, or PDL, off.
 * no_radix: shared on an engine without the radix cache.

@@ -225,6 +225,47 @@ def bench_shared(eng, vocab: int, key: str):
     eng.flush_cache()
 
 
+# shared_trace -------------------------------------------------------------------------------------------------------
+KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("decode attention", ("decode_stage", "decode_prefix")),
+    ("extend attention", ("extend_attn", "_fwd_kernel", "flash")),
+    ("GEMM", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas")),
+    ("copies and memsets", ("Memcpy", "Memset", "memcpy", "memset")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in name for k in keys)), "other")
+
+
+@section("shared_trace")
+def bench_shared_trace(eng, vocab: int):
+    """Where the shared-prefix workload's time goes (issue 23): one cold-cache run under the profiler, its GPU
+    time by kernel kind, the GPU idle time, and the longest idle gaps with the kernels around them (the chrome
+    trace is kept gzipped beside the results JSON)."""
+    evs, wall = trace_generate(eng, shared_prefix_prompts(7, vocab), 32, os.path.join(os.path.dirname(PATHS.out), "shared_trace.json"))
+    if not evs:
+        log("shared_trace: no kernels seen")
+        return
+    t_lo = evs[0]["ts"]
+    busy, gaps = busy_and_gaps(evs, t_lo)
+    span = max(e["ts"] + e["dur"] for e in evs) - t_lo
+    by_kind: dict = {}
+    for e in evs:
+        kind = kernel_kind(e["name"])
+        by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"]
+    RESULT.setdefault("ours", {})["shared_trace"] = {
+        "wall_s": wall, "gpu_span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3, "gpu_idle_ms": (span - busy) / 1e3,
+        "kernel_ms_by_kind": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "largest_gaps_us": gaps[:20]}
+    log(f"shared_trace: generate {wall * 1e3:.1f} ms; GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f}, "
+        f"idle {(span - busy) / 1e3:.1f}")
+    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        log(f"   {us / 1e3:8.1f} ms  {kind}")
+    for gp, a, b_ in gaps[:10]:
+        log(f"   gap {gp / 1e3:7.2f} ms after {a} before {b_}")
+
+
 def generate_timing_steps(eng, prompts, sp) -> tuple[list, list, float]:
     """Generate with each Scheduler.step timed: (outputs, per step (seconds, prefill batches, decode batches),
     wall seconds)."""

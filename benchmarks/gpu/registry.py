@@ -54,6 +54,7 @@ SECTIONS: list[Section] = [
     Section("engine_trace", lambda c: engine.bench_engine_trace(c.eng, c.vocab), SHARED),
     Section("cpu_profile", lambda c: engine.bench_cpu_profile(c.eng, c.vocab), SHARED),
     Section("shared", lambda c: engine.bench_shared(c.eng, c.vocab, "shared_prefix"), SHARED),
+    Section("shared_trace", lambda c: engine.bench_shared_trace(c.eng, c.vocab), SHARED),
     Section("offline", _offline, SHARED),
     # Ablations, each on its own engine: the synchronous scheduler loop; no programmatic dependent launch (on
     # by default on sm90+); no radix cache.
