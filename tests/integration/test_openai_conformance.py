@@ -101,6 +101,44 @@ def test_stop_token_ids_not_listed_nor_counted_in_completions(oai, http):
         assert count == k == len(tokens), (stream, count, k, tokens)
 
 
+# echo + logprobs: prompt scoring ----------------------------------------------------------------------------------------
+SCORED = "The capital of France is Paris, and the capital of Italy is"
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_openai_does(oai, http):
+    """``echo`` + ``logprobs`` (+ ``max_tokens`` 0): the prompt's tokens with their logprobs, the first with none
+    (OpenAI's API, vLLM; lm-evaluation-harness computes loglikelihoods this way). The values equal /generate's
+    prompt logprobs; with max_tokens > 0 the output tokens follow, as without echo; streamed, the same entries."""
+    native = http.post("/generate", json={"text": SCORED, "return_logprob": True, "logprob_start_len": 0,
+                                          "sampling_params": {"max_new_tokens": 0}})
+    assert native.status_code == 200, native.text
+    expected = [lp for lp, *_ in native.json()["meta_info"]["input_token_logprobs"]]
+    r = oai.completions.create(model="m", prompt=SCORED, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    choice = r.choices[0]
+    assert choice.text == SCORED and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.prompt_tokens == len(expected)
+    assert "".join(lp.tokens) == SCORED
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(expected[1:], abs=ATOL)
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])  # 2 asked; a tie may merge two tokens' texts
+    plain = oai.completions.create(model="m", prompt=SCORED, max_tokens=3, logprobs=1, temperature=0).choices[0]
+    both = oai.completions.create(model="m", prompt=SCORED, max_tokens=3, echo=True, logprobs=1, temperature=0)
+    both = both.choices[0]
+    assert both.text == SCORED + plain.text
+    assert both.logprobs.tokens == lp.tokens + plain.logprobs.tokens
+    assert both.logprobs.token_logprobs[len(lp.tokens):] == pytest.approx(plain.logprobs.token_logprobs, abs=ATOL)
+    chunks = list(oai.completions.create(model="m", prompt=SCORED, max_tokens=3, echo=True, logprobs=1,
+                                         temperature=0, stream=True))
+    streamed = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
+    assert streamed == both.logprobs.tokens
+
+
+def test_max_tokens_zero_without_echo_returns_nothing(oai):
+    r = oai.completions.create(model="m", prompt=SCORED, max_tokens=0, temperature=0)
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 0 and r.usage.prompt_tokens > 0
+
+
 # /v1/embeddings -------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_smollm():

@@ -121,7 +121,6 @@ CASES = [
     ("comp-prompt-mixed-list", "POST", "/v1/completions", comp(prompt=["hi", 5]), {}, 400),
     ("comp-over-long-ids", "POST", "/v1/completions", comp(prompt=[28] * 8200), {}, 400),
     ("comp-max-tokens-negative", "POST", "/v1/completions", comp(max_tokens=-1), {}, 400),
-    ("comp-max-tokens-zero", "POST", "/v1/completions", comp(max_tokens=0), {}, 400),
     ("comp-logprobs-too-many", "POST", "/v1/completions", comp(logprobs=21), {}, 400),
     ("comp-best-of", "POST", "/v1/completions", comp(best_of=3), {}, 400),
     ("comp-suffix", "POST", "/v1/completions", comp(suffix="the end"), {}, 400),

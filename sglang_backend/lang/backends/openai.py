@@ -6,7 +6,8 @@ speculated text, so a multi-field template often costs one API call instead of o
 model strays from the template, the speculation is dropped and a fresh call is made. Chat models: an assistant
 turn's texts and gens are matched against one chat completion at the end of the turn (lang/speculative.py).
 
-``select`` (completion models) and ``image`` (chat models) are supported too; see those methods.
+``select`` (completion models) and ``image`` (chat models) are supported too, and ``gen(return_logprob=True)``
+with ``top_logprobs_num``; see those methods.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 from ..chat_template import get_chat_template, guess_chat_template
-from ..choices import ChoicesDecision
+from ..choices import ChoicesDecision, normalized_logprob, token_length_normalized
 from ..ir import SglSamplingParams, SglVideo
 from .base import BaseBackend, image_data_url
 
@@ -82,20 +83,38 @@ class OpenAI(BaseBackend):
 
     def generate(self, s, sampling_params: SglSamplingParams) -> tuple[str, dict]:
         kwargs = self._request_kwargs(sampling_params)
+        # return_logprob: the API's logprobs, in the runtime backends' meta_info shape (ids are not sent by the
+        # API: None). max_tokens=0 asks for the next token's top logprobs (upstream's cot_decoding): the API
+        # cannot return them without a token, so one is generated and dropped.
+        want_logprobs = bool(sampling_params.return_logprob)
+        top_k = min(sampling_params.top_logprobs_num or 0, 20)
+        next_token_only = want_logprobs and sampling_params.max_new_tokens == 0
+        if next_token_only:
+            kwargs["max_tokens"] = 1
         if self.is_chat_model:
             prefix = self.chat_template.get_prefix_and_suffix("assistant")[0]
             if not s.text_.endswith(prefix):
                 raise RuntimeError("with an OpenAI chat model, gen() must come right after assistant begins "
                                    "(the API continues whole messages, not arbitrary text)")
+            if want_logprobs:
+                kwargs.update(logprobs=True, top_logprobs=top_k)
             resp = self.client.chat.completions.create(model=self.model_name, messages=s.messages_, **kwargs)
             text = resp.choices[0].message.content or ""
         else:
+            if want_logprobs:
+                kwargs["logprobs"] = top_k
             resp = self.client.completions.create(model=self.model_name, prompt=s.text_, **kwargs)
             text = resp.choices[0].text
         self._account(resp.usage)
         meta = {"finish_reason": resp.choices[0].finish_reason,
                 "prompt_tokens": getattr(resp.usage, "prompt_tokens", None),
                 "completion_tokens": getattr(resp.usage, "completion_tokens", None)}
+        if want_logprobs:
+            tokens, tops = api_logprobs(resp.choices[0].logprobs, self.is_chat_model)
+            meta["output_token_logprobs"], meta["output_top_logprobs"] = tokens, tops
+            if next_token_only:
+                text, meta["completion_tokens"], meta["output_token_logprobs"] = "", 0, []
+                meta["output_top_logprobs"] = tops[:1]
         return text, meta
 
     def generate_stream(self, s, sampling_params: SglSamplingParams):
@@ -134,13 +153,64 @@ class OpenAI(BaseBackend):
         s.cur_images.append(image_data_url(expr.path))
 
     def select(self, s, choices, temperature, choices_method):
-        """Completion models: greedy decoding restricted to the choices, as upstream's (which steers each token
-        with logit_bias and a client-side tokenizer); here one request constrained by ``regex`` (servers that take
-        it, such as ours), so no tokenizer is needed. ``choices_method`` needs prompt logprobs, which the API
-        does not return: it is ignored, as upstream's OpenAI backend does."""
+        """Completion models. Where the server scores prompts (``echo`` with ``logprobs``, as OpenAI's completion
+        API, vLLM and ours do), as the runtime backends select: each choice's tokens after the prefix scored in
+        one request, decided by ``choices_method`` (token-length normalised by default), with the same
+        meta_info (``input_token_logprobs`` per choice, ``normalized_prompt_logprobs``; token ids None: the
+        API sends texts). Otherwise greedy decoding restricted to the choices (upstream's way, which steers
+        each token with logit_bias and a client-side tokenizer; here one request constrained by ``regex``)."""
         if self.is_chat_model:
             raise NotImplementedError("select() with an OpenAI chat model is not supported (as upstream): use a "
                                       "completion model (is_chat_model=False) or a runtime backend")
+        scored = self._score_choices(s.text_, choices)
+        if scored is None:
+            return self._select_by_regex(s, choices, temperature)
+        choices_method = choices_method or token_length_normalized
+        unconditional = None
+        if choices_method.requires_unconditional_logprobs:
+            unconditional = self._score_texts(["".join(e[2] for e in option) for option in scored])
+            if unconditional is None:
+                raise RuntimeError("select(): the server did not score the choices alone (echo with logprobs)")
+        return choices_method(choices=choices, normalized_prompt_logprobs=[normalized_logprob(e) for e in scored],
+                              input_token_logprobs=scored, output_token_logprobs=[[] for _ in choices],
+                              unconditional_token_logprobs=unconditional)
+
+    def _score_texts(self, texts: list[str]) -> list[list[tuple]] | None:
+        """Each text's tokens as (logprob, None, token text), the first logprob None, from one echo request; None
+        if the server does not return prompt logprobs."""
+        import openai  # the client's errors
+
+        try:
+            resp = self.client.completions.create(model=self.model_name, prompt=texts, max_tokens=0, echo=True,
+                                                  logprobs=0, temperature=0)
+        except openai.BadRequestError:
+            return None  # a server that refuses max_tokens=0 or echo with logprobs
+        self._account(resp.usage)
+        out = [None] * len(texts)
+        for choice in resp.choices:
+            lp = choice.logprobs
+            if lp is None or not lp.tokens or "".join(lp.tokens) != texts[choice.index]:
+                return None
+            out[choice.index] = list(zip(lp.token_logprobs, [None] * len(lp.tokens), lp.tokens))
+        return out if all(o is not None for o in out) else None
+
+    def _score_choices(self, prefix: str, choices: list[str]) -> list[list[tuple]] | None:
+        """Each choice's scored tokens after ``prefix`` (None: the server does not score prompts). From two
+        tokens before the prefix's end on, as the runtime backends: the prefix's last token may fuse with the
+        choice's first characters (token healing), and then it belongs to the choice."""
+        texts = self._score_texts([prefix] + [prefix + c for c in choices])
+        if texts is None:
+            return None
+        prefix_tokens = [e[2] for e in texts[0]]
+        scored = []
+        for entries in texts[1:]:
+            k = max(len(prefix_tokens) - 2, 0)
+            while k < len(prefix_tokens) and k < len(entries) and entries[k][2] == prefix_tokens[k]:
+                k += 1
+            scored.append([e for e in entries[k:] if e[0] is not None])
+        return scored
+
+    def _select_by_regex(self, s, choices, temperature) -> ChoicesDecision:
         pattern = "(" + "|".join(re.escape(c) for c in choices) + ")"
         # A token is at least one byte: 4 tokens a character covers any UTF-8 choice.
         max_tokens = 4 * max(len(c) for c in choices) + 1
@@ -152,3 +222,20 @@ class OpenAI(BaseBackend):
             raise RuntimeError(f"select(): the server returned {text!r}, not one of the choices (does it honour "
                                "the regex extension?)")
         return ChoicesDecision(text, {"scores": [int(c == text) for c in choices]})
+
+
+def api_logprobs(logprobs, chat: bool) -> tuple[list[tuple], list[list[tuple]]]:
+    """The API's logprobs of a choice as the runtime backends' ``output_token_logprobs`` and
+    ``output_top_logprobs``: (logprob, token id, token text) entries, ids None (the API sends texts)."""
+    if logprobs is None:
+        return [], []
+    if chat:
+        items = [(e.logprob, e.token, [(t.logprob, t.token) for t in (e.top_logprobs or [])])
+                 for e in (logprobs.content or [])]
+    else:
+        tops = logprobs.top_logprobs or [None] * len(logprobs.tokens)
+        items = [(lp, tok, sorted(((v, t) for t, v in (top or {}).items()), reverse=True))
+                 for lp, tok, top in zip(logprobs.token_logprobs, logprobs.tokens, tops)]
+    tokens = [(lp, None, tok) for lp, tok, _ in items]
+    top_lists = [[(v, None, t) for v, t in top] for _, _, top in items]
+    return tokens, top_lists

@@ -104,7 +104,9 @@ def finish_reason(out: dict) -> str | None:
 
 
 def sent_logprobs(out: dict) -> int:
-    return len(out["meta_info"].get("output_token_logprobs", []))
+    """Logprob entries of an output so far: the prompt's (completions with echo) and the output tokens'."""
+    meta = out["meta_info"]
+    return len(meta.get("input_token_logprobs") or []) + len(meta.get("output_token_logprobs") or [])
 
 
 def include_usage(req) -> bool:

@@ -40,8 +40,15 @@ def completion_inputs(req: CompletionRequest, prompts: list, sp: dict) -> list[d
             text, ids = (p, None) if isinstance(p, str) else (None, p)
             kwargs.append(dict(text=text, input_ids=ids, sampling_params=s, stream=req.stream,
                                return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
+                               logprob_start_len=0 if echo_logprobs(req) else None,
                                rid=sample_rid(req.rid, len(kwargs), many), session_id=req.session_id))
     return kwargs
+
+
+def echo_logprobs(req: CompletionRequest) -> bool:
+    """``echo`` with ``logprobs``: the logprobs cover the prompt's tokens too (the first has none), as OpenAI's
+    API and vLLM return them; with ``max_tokens`` 0 that scores a text (lm-evaluation-harness loglikelihoods)."""
+    return req.echo and req.logprobs is not None
 
 
 def echo_texts(req: CompletionRequest, prompts: list, decode) -> list[str]:
@@ -50,14 +57,19 @@ def echo_texts(req: CompletionRequest, prompts: list, decode) -> list[str]:
 
 
 def completion_logprobs(out: dict, tokenizer, start: int = 0) -> dict:
+    """OpenAI's logprobs of a choice from entry ``start`` on (``sent_logprobs`` counts them); with echo logprobs
+    (``input_token_logprobs`` in the output) the prompt's tokens come first, the first of them with no logprob,
+    as in OpenAI's API."""
+    meta = out["meta_info"]
+    entries = list(meta.get("input_token_logprobs") or []) + list(meta.get("output_token_logprobs") or [])
+    top_list = list(meta.get("input_top_logprobs") or []) + list(meta.get("output_top_logprobs") or [])
     tokens, lps, tops = [], [], []
-    top_list = out["meta_info"].get("output_top_logprobs") or []
-    for i, (lp, tid) in enumerate(out["meta_info"].get("output_token_logprobs", [])):
+    for i, (lp, tid) in enumerate(entries):
         if i < start:
             continue
         tokens.append(tokenizer.decode([tid]))
         lps.append(lp)
-        tops.append({tokenizer.decode([t]): v for v, t in top_list[i]} if i < len(top_list) else None)
+        tops.append({tokenizer.decode([t]): v for v, t in top_list[i]} if i < len(top_list) and top_list[i] else None)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if top_list else None, "text_offset": []}
 
 
