@@ -418,7 +418,13 @@ def file_rows(col: Column, rel: str) -> list[dict]:
         return [{"program": program, "backend": col.name, "status": "n/a",
                  "reason": f"only for {'/'.join(sorted(ONLY_ON[program]))}", "seconds": 0.0}]
     with open(path, encoding="utf-8") as f:
-        has_cases = any(isinstance(n, ast.ClassDef) and "TestCase" in ast.unparse(n) for n in ast.parse(f.read()).body)
+        source = f.read()
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:  # a broken copy of the file: its row says so, the run goes on
+        return [{"program": program, "backend": col.name, "status": "fail(error)",
+                 "reason": f"the upstream file does not parse: {e.msg} (line {e.lineno})", "seconds": 0.0}]
+    has_cases = any(isinstance(n, ast.ClassDef) and "TestCase" in ast.unparse(n) for n in tree.body)
     if not has_cases:
         return [col.run(program, lambda: _main_block(load_program(path, col.server_url))())]
     loaded = {}
