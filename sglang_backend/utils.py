@@ -162,12 +162,12 @@ def download_and_cache_file(url: str, filename: str | None = None) -> str:
     """Upstream's ``sglang.utils.download_and_cache_file`` (its benchmark programs fetch data sets with it): the
     file at ``url`` saved as ``filename`` (default: its last path part, under our cache root's ``downloads/``),
     downloaded once with a progress bar; later calls return the saved path. An HTTP error raises."""
-    import shutil
+    import shutil  # deferred, as the rest: only upstream's benchmark programs call this
     import urllib.request
 
     from tqdm import tqdm  # deferred: a dependency, but not one every process needs
 
-    from .runtime.model_loader.embedded import cache_root
+    from .runtime.model_loader.embedded import cache_root  # deferred: utils is imported by every process
 
     if filename is None:
         filename = os.path.join(cache_root(), "downloads", url.rstrip("/").split("/")[-1])
