@@ -183,17 +183,24 @@ class CompiledFunction:
         self.graph = graph
         self.backend = backend
 
-    def run(self, *, backend=None, **kwargs) -> ProgramState:
+    def run(self, *, max_new_tokens: int = 128, stop=None, temperature: float = 1.0, top_p: float = 1.0,
+            top_k: int = -1, min_p: float = 0.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+            backend=None, **kwargs) -> ProgramState:
+        """One replay with these arguments; the sampling keywords are the defaults of its ``gen`` calls, as in
+        ``SglFunction.run`` (and upstream's ``CompiledFunction.run``)."""
         missing = [a for a in self.graph.arguments if a not in kwargs]
         if missing:
             raise TypeError(f"compiled program is missing arguments {missing}")
         backend = backend or self.backend or global_config.default_backend
-        executor = StreamExecutor(backend, kwargs, SglSamplingParams(), None)
+        default = SglSamplingParams(max_new_tokens=max_new_tokens, stop=stop, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
+                                    presence_penalty=presence_penalty)
+        executor = StreamExecutor(backend, kwargs, default, None)
         states = {0: ProgramState(executor)}
         programs = [executor]  # the main program and those its calls started (ended together)
         for branch, kind, payload in self.graph.ops:
             if kind == "program":  # a nested function call: its own state, from empty
-                programs.append(StreamExecutor(backend, {}, SglSamplingParams(), None))
+                programs.append(StreamExecutor(backend, {}, default, None))
                 states[branch] = ProgramState(programs[-1])
                 continue
             state = states[branch]
@@ -214,6 +221,17 @@ class CompiledFunction:
             except Exception:  # noqa: BLE001 - the state reports its own error
                 pass
         return states[0]
+
+    def run_batch(self, batch_kwargs: list[dict], *, num_threads: int | str = "auto",
+                  **run_kwargs) -> list[ProgramState]:
+        """``run`` for each argument dict, on a thread pool (upstream's ``CompiledFunction.run_batch``); the
+        keywords are ``run``'s (sampling defaults, ``backend``). States come back in order, each synced."""
+        if not isinstance(batch_kwargs, (list, tuple)):
+            raise TypeError("run_batch takes a list of argument dicts")
+        if num_threads == "auto":
+            num_threads = min(len(batch_kwargs), max(16, (os.cpu_count() or 1) * 8), 128)
+        with ThreadPoolExecutor(max(1, int(num_threads))) as pool:
+            return list(pool.map(lambda kw: self.run(**kw, **run_kwargs), batch_kwargs))
 
 
 def function(func: Callable | None = None, num_api_spec_tokens: int | None = None):

@@ -341,3 +341,20 @@ def test_compiled_program_runs_the_functions_it_calls(backend):
     direct = tips.run(topic="sleeping well")
     assert state.text() == direct.text()  # greedy: the compiled replay equals running the program
 
+
+
+def test_compiled_program_run_batch_with_sampling_defaults(backend):
+    """Upstream's test_tracing: ``compiled.run_batch([...], temperature=0)``; the sampling keywords are the
+    defaults of the replay's gens (``max_new_tokens`` bounds a gen that names none), as ``SglFunction.run``."""
+    @sgl.function
+    def tip(s, topic):
+        s += "A tip for " + topic + ":" + sgl.gen("tip", stop="\n")
+
+    compiled = tip.compile()
+    topics = ["sleeping well", "eating well", "staying calm"]
+    states = compiled.run_batch([{"topic": t} for t in topics], temperature=0, max_new_tokens=6)
+    direct = tip.run_batch([{"topic": t} for t in topics], temperature=0, max_new_tokens=6)
+    assert [s.text() for s in states] == [d.text() for d in direct]  # greedy: in order, equal to the program's
+    assert all(s.get_meta_info("tip")["completion_tokens"] <= 6 for s in states)
+    with pytest.raises(TypeError, match="list"):
+        compiled.run_batch({"topic": "x"})
