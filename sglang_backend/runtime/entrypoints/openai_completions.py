@@ -61,16 +61,21 @@ def completion_logprobs(out: dict, tokenizer, start: int = 0) -> dict:
     (``input_token_logprobs`` in the output) the prompt's tokens come first, the first of them with no logprob,
     as in OpenAI's API."""
     meta = out["meta_info"]
-    entries = list(meta.get("input_token_logprobs") or []) + list(meta.get("output_token_logprobs") or [])
-    top_list = list(meta.get("input_top_logprobs") or []) + list(meta.get("output_top_logprobs") or [])
+    inputs = list(meta.get("input_token_logprobs") or [])
+    input_tops = list(meta.get("input_top_logprobs") or [])
+    entries = inputs + list(meta.get("output_token_logprobs") or [])
+    # Aligned with entries: the prompt's top lists (padded with None if absent), then the outputs'.
+    top_list = input_tops + [None] * (len(inputs) - len(input_tops)) + list(meta.get("output_top_logprobs") or [])
+    has_tops = bool(input_tops or meta.get("output_top_logprobs"))
     tokens, lps, tops = [], [], []
     for i, (lp, tid) in enumerate(entries):
         if i < start:
             continue
         tokens.append(tokenizer.decode([tid]))
         lps.append(lp)
-        tops.append({tokenizer.decode([t]): v for v, t in top_list[i]} if i < len(top_list) and top_list[i] else None)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if top_list else None, "text_offset": []}
+        top = top_list[i] if i < len(top_list) else None
+        tops.append(None if top is None else {tokenizer.decode([t]): v for v, t in top})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if has_tops else None, "text_offset": []}
 
 
 def completion_choice(out: dict, index: int, req: CompletionRequest, echo: str, tokenizer) -> dict:
