@@ -243,7 +243,8 @@ def bench_shared_trace(eng, vocab: int):
     """Where the shared-prefix workload's time goes (issue 23): one cold-cache run under the profiler, its GPU
     time by kernel kind, the GPU idle time, and the longest idle gaps with the kernels around them (the chrome
     trace is kept gzipped beside the results JSON)."""
-    evs, wall = trace_generate(eng, shared_prefix_prompts(7, vocab), 32, os.path.join(os.path.dirname(PATHS.out), "shared_trace.json"))
+    trace = os.path.join(os.path.dirname(PATHS.out), "shared_trace.json")
+    evs, wall = trace_generate(eng, shared_prefix_prompts(7, vocab), 32, trace)
     if not evs:
         log("shared_trace: no kernels seen")
         return
@@ -254,16 +255,35 @@ def bench_shared_trace(eng, vocab: int):
     for e in evs:
         kind = kernel_kind(e["name"])
         by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"]
+    # The decode phase starts at the first decode-attention kernel; before it the prefill batches run.
+    t_decode = next((e["ts"] for e in evs if kernel_kind(e["name"]) == "decode attention"), float("inf"))
+    phases = {"prefill": [e for e in evs if e["ts"] < t_decode], "decode": [e for e in evs if e["ts"] >= t_decode]}
+    by_name = {phase: top_kernels(win) for phase, win in phases.items()}
     RESULT.setdefault("ours", {})["shared_trace"] = {
         "wall_s": wall, "gpu_span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3, "gpu_idle_ms": (span - busy) / 1e3,
+        "decode_phase_start_ms": (t_decode - t_lo) / 1e3 if by_name["decode"] else None,
         "kernel_ms_by_kind": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "largest_gaps_us": gaps[:20]}
+        "kernels_by_phase": by_name, "largest_gaps_us": gaps[:20]}
     log(f"shared_trace: generate {wall * 1e3:.1f} ms; GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f}, "
         f"idle {(span - busy) / 1e3:.1f}")
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         log(f"   {us / 1e3:8.1f} ms  {kind}")
+    for phase, rows in by_name.items():
+        log(f"   {phase} phase, top kernels (ms, launches):")
+        for name, ms, n in rows[:12]:
+            log(f"      {ms:8.2f} ms {n:6d}x  {name}")
     for gp, a, b_ in gaps[:10]:
         log(f"   gap {gp / 1e3:7.2f} ms after {a} before {b_}")
+
+
+def top_kernels(evs: list, n: int = 25) -> list:
+    """The n kernels with the most GPU time in ``evs``: (name cut to 90 characters, ms, launches)."""
+    by_name: dict = {}
+    for e in evs:
+        total, count = by_name.get(e["name"][:90], (0.0, 0))
+        by_name[e["name"][:90]] = (total + e["dur"], count + 1)
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(name, total / 1e3, count) for name, (total, count) in rows]
 
 
 def generate_timing_steps(eng, prompts, sp) -> tuple[list, list, float]:

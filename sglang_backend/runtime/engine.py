@@ -23,7 +23,7 @@ from .managers.request_frontend import (RequestFrontend, RequestState, embedding
                                         format_logprobs)
 from .managers.scheduler import PoolNotWholeError, Scheduler
 from .managers.scheduler_output import OutputCollector
-from .managers.validation import all_ints, check_session_id
+from .managers.validation import check_session_id
 from .model_loader.loader import load_model_assets
 from .multimodal.processor import MultimodalProcessor
 from .server_args import ServerArgs
@@ -202,11 +202,12 @@ class Engine:
                 raise ValueError("stream=True takes a single sample (n=1)")
             rids = [None if r is None else f"{r}-{i}" for r in rids for i in range(n_samples)]
             is_batch = True
+        parsed: dict = {}  # one SamplingParams per distinct params dict of the batch
         gis = [self.frontend.prepare(r or uuid.uuid4().hex, text=item if isinstance(item, str) else None,
                                      input_ids=None if isinstance(item, str) else item, sampling_params=sp,
                                      stream=stream, return_logprob=bool(lp), logprob_start_len=start,
                                      top_logprobs_num=top, extra_key=extra_key, image_data=im, pooling=pooling,
-                                     session_id=session_id)
+                                     session_id=session_id, parsed=parsed)
                for item, sp, lp, start, top, r, im in zip(items, params, flags, starts, tops, rids, images)]
         handles = [_Request(gi.rid, queue.Queue(), stream, return_text_in_logprobs=return_text_in_logprobs)
                    for gi in gis]
@@ -232,7 +233,8 @@ class Engine:
             return prompts, is_batch
         is_batch = bool(input_ids) and isinstance(input_ids[0], list)
         ids_list = input_ids if is_batch else [input_ids]
-        if not all(hasattr(ids, "__iter__") and all_ints(ids) for ids in ids_list):
+        # Each prompt's ids are checked one by one when it is prepared (check_input_ids): here only the shape.
+        if not all(hasattr(ids, "__iter__") and not isinstance(ids, (str, bytes)) for ids in ids_list):
             raise ValueError("input_ids must be a list of ints or a list of lists of ints")
         return ids_list, is_batch
 

@@ -190,3 +190,54 @@ def test_a_cache_flush_that_drains_the_last_step_reports_it(engine):
     assert not worker.is_alive(), "the request ended by the drained step was never answered"
     assert len(result["out"]["output_ids"]) == 3
     engine.check_pool_whole()
+
+
+def _run_pipelined(engine, overlap: bool, return_logprob: list[bool]):
+    """The six prompts (the first three share a 40-token prefix, so in-batch dedup holds two of them back for a
+    second prefill batch): results, and per pipelined prefill whether a step was in flight at its launch."""
+    sched = engine.scheduler
+    engine.flush_cache()
+    decoder = OverlapDecoder(sched) if overlap else None
+    launches = []
+    if decoder is not None:
+        real_start = decoder.start_prefill
+
+        def spy(reqs, logits):
+            launches.append((decoder.inflight is not None, [len(r.output_ids) for r in reqs]))
+            return real_start(reqs, logits)
+
+        decoder.start_prefill = spy
+    sched.overlap = decoder
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (1, 4, 6, 3, 5, 2)]
+    try:
+        out = engine.generate(input_ids=_prompts(), sampling_params=params, return_logprob=return_logprob)
+        engine.check_pool_whole()
+    finally:
+        sched.overlap = None
+    meta = [o["meta_info"] for o in out]
+    return [(o["output_ids"], m["finish_reason"], m["cached_tokens"], m.get("output_token_logprobs"))
+            for o, m in zip(out, meta)], launches
+
+
+def test_prefill_batches_are_pipelined(engine):
+    """A prefill batch of plain requests is sampled in flight: the batch held back behind its shared prefix is
+    planned and launched before the first batch's tokens reach the host, and still hits that prefix; the tokens,
+    finish reasons and cache hits equal the synchronous loop's."""
+    plain = [False] * 6
+    sync, _ = _run_pipelined(engine, False, plain)
+    lagged, launches = _run_pipelined(engine, True, plain)
+    assert lagged == sync
+    assert [c for _, _, c, _ in sync[1:3]] == [40, 40], "the held-back requests did not hit the shared prefix"
+    assert len(launches) == 2 and launches[1][0], launches  # the second batch launched with the first in flight
+    assert all(n == 0 for _, lens in launches for n in lens)  # no first token was on the host at launch
+
+
+def test_prefill_with_logprobs_is_not_pipelined(engine):
+    """A batch with a request that wants logprobs samples on the host (after draining the step in flight); the
+    results still equal the synchronous loop's, logprobs included."""
+    mixed = [False, True, False, False, False, False]  # request 1 is in the held-back batch
+    sync, _ = _run_pipelined(engine, False, mixed)
+    lagged, launches = _run_pipelined(engine, True, mixed)
+    assert lagged == sync
+    assert sync[1][3], "no logprobs came back"
+    assert len(launches) == 1  # only the first batch was pipelined

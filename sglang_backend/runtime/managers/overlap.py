@@ -13,7 +13,14 @@ the GPU. Consequences, all handled here:
 
 Only batches whose sampling needs nothing from the host per step qualify (no grammar, logprobs, penalties,
 logit bias or pending ``min_new_tokens``), with page size 1; the scheduler drains the step in flight before
-anything else touches the running batch (prefill, retraction, grammar or tensor-parallel work).
+anything else touches the running batch (retraction, a synchronous decode, mixed chunk, grammar or
+tensor-parallel work).
+
+A prefill batch of such requests is pipelined the same way (``start_prefill``): its first tokens are sampled on
+the device and the batch becomes the step in flight, its requests joining the running batch with their prompts
+already in the radix tree. The next step (the first decode, or the next prefill batch, planned meanwhile
+against those prompts) is launched before those tokens reach the host, so the GPU does not wait for the host
+between a prefill and what follows it.
 """
 
 from __future__ import annotations
@@ -149,15 +156,36 @@ class OverlapDecoder:
             r.kv_len += 1
         s.stats.num_decode_batches += 1
         s.decay_new_token_ratio()
+        return self._in_flight(reqs, logits)
+
+    def _in_flight(self, reqs: list[Req], logits: torch.Tensor) -> InflightDecode:
+        """Samples each request's next token from its logits row on the device and starts the copy of the ids
+        (and "logits were finite") to the host, without waiting for the GPU."""
         next_ids = self._sample(reqs, logits)
         result = torch.stack([next_ids, torch.isfinite(logits).all(dim=-1).to(torch.int64)])
-        if torch.device(dev).type != "cuda":  # CPU (tests): nothing runs ahead, the copy is the result
+        if torch.device(self.sched.device).type != "cuda":  # CPU (tests): nothing runs ahead, the copy is the result
             return InflightDecode(reqs, next_ids, result, None)
         host = torch.empty((2, len(reqs)), dtype=torch.int64, pin_memory=True)
         host.copy_(result, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return InflightDecode(reqs, next_ids, host, ready)
+
+    # Prefill ----------------------------------------------------------------------------------------------
+    def takes_prefill(self, reqs: list[Req], logit_rows: list[list[int]], running: set[int]) -> bool:
+        """Whether a prefill batch's first tokens can be sampled in flight like a decode step's: every request
+        samples one row and nothing else (no prompt logprobs, not chunked, no embedding), qualifies for overlapped
+        decode, has tokens left to generate and is new (no running request decoding in the batch: mixed chunk)."""
+        return (self.sched.fault_injector is None
+                and all(len(rows) == 1 and self.eligible(r) and r.remaining_new_tokens() > 0 and id(r) not in running
+                        for r, rows in zip(reqs, logit_rows)))
+
+    def start_prefill(self, reqs: list[Req], logits: torch.Tensor) -> list[Req]:
+        """The prefill just launched becomes the step in flight (its requests join the running batch lagging by
+        their first token); the step in flight before it is finished now, under the prefill's GPU time. Returns
+        the requests with new output."""
+        prev, self.inflight = self.inflight, self._in_flight(reqs, logits)
+        return self._finish(prev) if prev is not None else []
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
         if all(r.sampling_params.is_greedy for r in reqs):

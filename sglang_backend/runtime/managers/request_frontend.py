@@ -79,10 +79,12 @@ class RequestFrontend:
                 logprob_start_len: int | None = None, top_logprobs_num: int | None = 0, extra_key=None,
                 image_data=None, add_special_tokens: bool = True,
                 cancel: threading.Event | None = None, pooling: PoolingParams | None = None,
-                session_id: str | None = None) -> GenerateInput:
+                session_id: str | None = None, parsed: dict | None = None) -> GenerateInput:
         """One prompt, as ``rid``; raises ValueError with the reason. Setting ``cancel`` stops a grammar
         compilation in progress. With ``pooling`` it is an embedding request: nothing is generated.
-        ``session_id``: the program / session the request belongs to (its KV stays pinned between calls)."""
+        ``session_id``: the program / session the request belongs to (its KV stays pinned between calls).
+        ``parsed``: a dict the caller keeps for the prompts of one batch, which mostly share one sampling-params
+        dict: each dict object is parsed once (they stay alive for the batch, so their ids are unique)."""
         check_session_id(session_id)
         if (text is None) == (input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
@@ -98,8 +100,12 @@ class RequestFrontend:
                 raise ValueError("image_data was given, but this model takes no images")
             ids, mm_inputs = self.mm_processor.expand(ids, image_data, self.limits.context_len,
                                                       self.limits.max_total_num_tokens, return_logprob, logprob_start_len)
-        with self.lock:  # stop strings are tokenized
-            sp = parse_sampling_params(sampling_params, self.limits, self.tokenizer)
+        sp = parsed.get(id(sampling_params)) if parsed is not None else None
+        if sp is None:
+            with self.lock:  # stop strings are tokenized
+                sp = parse_sampling_params(sampling_params, self.limits, self.tokenizer)
+            if parsed is not None:
+                parsed[id(sampling_params)] = sp
         check_total_length(len(ids), sampling_params, sp, self.limits)
         if sp.regex is not None or sp.json_schema is not None or sp.ebnf is not None:
             check_grammar(sp, self.grammar_cache(), cancel)
@@ -142,7 +148,8 @@ def expand_samples(params: list, *per_prompt: list) -> tuple[int, list, list[lis
     """Parallel sampling: (n, each sample's params, each of ``per_prompt`` with its entries repeated n times,
     grouped per prompt)."""
     n = samples_per_prompt(params)
-    samples = [c for p in params for c in (parallel_samples(p) if p is None or isinstance(p, dict) else [p])]
+    # Params without "n" stay the caller's object: a batch that passes one dict for every prompt is parsed once.
+    samples = [c for p in params for c in (parallel_samples(p) if isinstance(p, dict) and "n" in p else [p])]
     return n, samples, [[v for v in values for _ in range(n)] for values in per_prompt]
 
 

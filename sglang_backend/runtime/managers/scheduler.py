@@ -311,16 +311,22 @@ class Scheduler:
                 if self.pending_outputs:
                     out, self.pending_outputs = out + self.pending_outputs, []
                 return out
-            out += self.overlap.drain()  # anything else sees the running batch up to date
+            if self.server_args.enable_mixed_chunk:
+                out += self.overlap.drain()  # mixed chunk decodes the running requests: their tokens must be here
+        # A step in flight may stay in flight while the next prefill batch is planned and launched (planning reads
+        # the running requests' lengths only); _run_extend finishes it after the launch.
         batch = self._get_new_batch_prefill()
         while batch is None and self.waiting_queue and not self.running and self._release_pin_for_memory():
             batch = self._get_new_batch_prefill()  # nothing else would ever free the memory the pins hold
         if batch is not None:
             out += self._run_extend(batch)
-        elif self.running:
-            out += self.run_decode()
-        elif self.server_args.check_pool_on_idle and not self.has_work():
-            self.check_pool_whole()
+        else:
+            if self.overlap is not None:
+                out += self.overlap.drain()  # a synchronous decode sees the running batch up to date
+            if self.running:
+                out += self.run_decode()
+            elif self.server_args.check_pool_on_idle and not self.has_work():
+                self.check_pool_whole()
         if self.pending_outputs:
             out, self.pending_outputs = out + self.pending_outputs, []
         return out
@@ -565,7 +571,16 @@ class Scheduler:
         prompt_tokens = sum(e for r, e in zip(batch.reqs, batch.extend_lens) if id(r) not in running)
         self.stats.max_prefill_batch_tokens = max(self.stats.max_prefill_batch_tokens, prompt_tokens)
         batch, logits = self._forward_contained(batch)
-        outputs: list[Req] = []
+        if self.overlap is not None:
+            if batch.reqs and self.overlap.takes_prefill(batch.reqs, batch.logit_rows, running):
+                for req in batch.reqs:
+                    self._cache_unfinished(req)  # share the prompt's KV with the batches planned meanwhile
+                    self.running.append(req)
+                return self.overlap.start_prefill(list(batch.reqs), logits)
+            pending = self.overlap.drain()  # the sampling below reads the host: finish the step in flight first
+        else:
+            pending = []
+        outputs: list[Req] = pending
         sample_reqs, sample_rows = [], []
         decode_reqs, decode_rows = [], []
         row = 0

@@ -121,10 +121,12 @@ def check_input_ids(input_ids: list[int], limits: ModelLimits) -> None:
                          f"shorten it to at most {limits.context_len - 1} tokens")
     if n + 1 > limits.max_total_num_tokens:
         raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds ({limits.max_total_num_tokens})")
-    # A C-speed pass for the usual all-valid prompt; the slow pass below only names the bad ids.
-    valid = all_ints(input_ids) and 0 <= min(input_ids) and max(input_ids) < limits.vocab_size
-    bad = [] if valid else [t for t in input_ids if not isinstance(t, int) or not 0 <= t < limits.vocab_size]
-    if bad:
+    # C-speed passes for the usual all-valid prompt; the slow passes below only name the bad ids.
+    if not all_ints(input_ids):
+        bad = next(t for t in input_ids if not isinstance(t, int))
+        raise ValueError(f"input_ids must be a list of ints (token ids), not {type(bad).__name__} {bad!r:.40}")
+    if min(input_ids) < 0 or max(input_ids) >= limits.vocab_size:
+        bad = [t for t in input_ids if not 0 <= t < limits.vocab_size]
         raise ValueError(f"input_ids contain token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}")
 
 
