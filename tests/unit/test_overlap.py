@@ -241,3 +241,20 @@ def test_prefill_with_logprobs_is_not_pipelined(engine):
     assert lagged == sync
     assert sync[1][3], "no logprobs came back"
     assert len(launches) == 1  # only the first batch was pipelined
+
+
+@pytest.fixture(scope="module")
+def chunking_engine(tiny_gqa_dir):
+    eng = make_engine(tiny_gqa_dir, disable_overlap_schedule=True, chunked_prefill_size=16)
+    yield eng
+    eng.shutdown()
+
+
+def test_chunked_prefill_is_pipelined(chunking_engine):
+    """Prompts longer than the chunk are computed 16 tokens a batch: batches that hold a chunk are pipelined too
+    (the chunk's request samples nothing yet), with the same results as the synchronous loop."""
+    sync, _ = _run_pipelined(chunking_engine, False, [False] * 6)
+    lagged, launches = _run_pipelined(chunking_engine, True, [False] * 6)
+    assert lagged == sync
+    assert any(not lens for _, lens in launches), launches  # a batch of one chunk and nothing to sample
+    assert sum(len(lens) for _, lens in launches) == 6  # every request's first token was sampled in flight

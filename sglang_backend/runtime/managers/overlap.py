@@ -174,17 +174,18 @@ class OverlapDecoder:
     # Prefill ----------------------------------------------------------------------------------------------
     def takes_prefill(self, reqs: list[Req], logit_rows: list[list[int]], running: set[int]) -> bool:
         """Whether a prefill batch's first tokens can be sampled in flight like a decode step's: every request
-        samples one row and nothing else (no prompt logprobs, not chunked, no embedding), qualifies for overlapped
-        decode, has tokens left to generate and is new (no running request decoding in the batch: mixed chunk)."""
+        samples one row and nothing else (no prompt logprobs, no embedding) or is a chunk with no row at all,
+        qualifies for overlapped decode, has tokens left to generate and is new (no running request decoding in
+        the batch: mixed chunk)."""
         return (self.sched.fault_injector is None
-                and all(len(rows) == 1 and self.eligible(r) and r.remaining_new_tokens() > 0 and id(r) not in running
-                        for r, rows in zip(reqs, logit_rows)))
+                and all(len(rows) == (0 if r.is_chunked else 1) and self.eligible(r) and r.remaining_new_tokens() > 0
+                        and r.pooling is None and id(r) not in running for r, rows in zip(reqs, logit_rows)))
 
     def start_prefill(self, reqs: list[Req], logits: torch.Tensor) -> list[Req]:
-        """The prefill just launched becomes the step in flight (its requests join the running batch lagging by
-        their first token); the step in flight before it is finished now, under the prefill's GPU time. Returns
-        the requests with new output."""
-        prev, self.inflight = self.inflight, self._in_flight(reqs, logits)
+        """The prefill just launched becomes the step in flight (``reqs``, its requests that sample, join the
+        running batch lagging by their first token; none when the batch is one chunk of a long prompt); the step
+        in flight before it is finished now, under the prefill's GPU time. Returns the requests with new output."""
+        prev, self.inflight = self.inflight, (self._in_flight(reqs, logits) if reqs else None)
         return self._finish(prev) if prev is not None else []
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:

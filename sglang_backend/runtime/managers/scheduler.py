@@ -573,10 +573,15 @@ class Scheduler:
         batch, logits = self._forward_contained(batch)
         if self.overlap is not None:
             if batch.reqs and self.overlap.takes_prefill(batch.reqs, batch.logit_rows, running):
+                sampled = []
                 for req in batch.reqs:
                     self._cache_unfinished(req)  # share the prompt's KV with the batches planned meanwhile
-                    self.running.append(req)
-                return self.overlap.start_prefill(list(batch.reqs), logits)
+                    if req.is_chunked:
+                        self.chunked_req = req  # its next chunk comes first in the next batch
+                    else:
+                        self.running.append(req)
+                        sampled.append(req)
+                return self.overlap.start_prefill(sampled, logits)
             pending = self.overlap.drain()  # the sampling below reads the host: finish the step in flight first
         else:
             pending = []
