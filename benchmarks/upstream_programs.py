@@ -4,8 +4,8 @@
         [--stub-missing-aliases] [--timeout SECONDS] [--output FILE]
 
 PATH is a checkout of sgl-project/sglang, or a copy of just the files below at their repository paths. Every file
-is read from PATH and executed with ``import sglang as sgl`` / ``from sglang...`` rewritten to ``sglang_backend``,
-nothing else changed. What runs:
+is read from PATH and executed with ``import sglang as sgl`` / ``from sglang...`` (and the module path of a
+``mock.patch("sglang....")`` target) rewritten to ``sglang_backend``, nothing else changed. What runs:
 
 * ``python/sglang/test/test_programs.py``: the ``test_*`` functions that upstream's ``test/lang/test_srt_backend.py``
   calls (on the engine and endpoint backends) and that ``test/lang/test_openai_backend.py`` calls (on the openai
@@ -77,6 +77,8 @@ ONLY_ON = {  # program -> the backends it is for
     "usage/json_logprobs.py": {"endpoint"},  # raw HTTP to /generate and /v1/completions: the server itself
 }
 _IMPORT = re.compile(r"^(\s*)(import sglang as sgl\b|from sglang(?=[.\s]))", re.M)
+# unittest.mock targets name modules by their import path: patch("sglang.srt.x.Name") is an import too.
+_PATCH_TARGET = re.compile(r"""(\bpatch(?:\.object|\.dict)?\(\s*(?P<q>["']))sglang\.""")
 
 
 class NotApplicable(Exception):
@@ -84,8 +86,10 @@ class NotApplicable(Exception):
 
 
 def rewrite_imports(source: str) -> str:
-    """``import sglang as sgl`` -> ``import sglang_backend as sgl``; ``from sglang[.x] import`` likewise."""
-    return _IMPORT.sub(lambda m: m.group(1) + m.group(2).replace("sglang", "sglang_backend", 1), source)
+    """``import sglang as sgl`` -> ``import sglang_backend as sgl``; ``from sglang[.x] import`` likewise; and the
+    module path of a ``unittest.mock.patch("sglang....")`` target."""
+    source = _IMPORT.sub(lambda m: m.group(1) + m.group(2).replace("sglang", "sglang_backend", 1), source)
+    return _PATCH_TARGET.sub(lambda m: m.group(1) + "sglang_backend.", source)
 
 
 def exec_upstream(path: str, module: types.ModuleType) -> types.ModuleType:
@@ -135,7 +139,8 @@ class UpstreamFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "sglang_backend.test":
             spec = importlib.util.spec_from_loader(name, _UpstreamLoader(None), is_package=True)
-            spec.submodule_search_locations = [self.test_pkg]
+            # No search path: the path finder would load its modules unrewritten; this finder serves them below.
+            spec.submodule_search_locations = []
             return spec
         if name == "sglang_backend.test.test_utils":
             return importlib.util.spec_from_loader(name, _UpstreamLoader(None))

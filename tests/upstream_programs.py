@@ -75,6 +75,22 @@ def check_cache_prefills_the_prefix(backend, label: str) -> None:
     assert state.get_meta_info("answer")["cached_tokens"] >= prefix_tokens - 2
 
 
+def check_pin_keeps_the_prefix(backend, pinned_tokens, label: str) -> None:
+    """``bind(prompt=...).pin(backend)`` (older upstream's) keeps the constant prefix's KV pinned until
+    ``unpin(backend)``: ``pinned_tokens()`` (the runtime's ``session_pinned_tokens``) grows by the prefix, a run in
+    between hits it, and unpin gives it back."""
+    prompt = f"Answer the following questions as if you were a 5-year-old kid ({label}, pinned).\n\n"
+    bound = few_shot_qa.bind(prompt=prompt)
+    prefix_tokens = len(backend.tokenize(prompt + "Q: What is the capital of France?\nA: Paris\nQ: "))
+    before = pinned_tokens()
+    bound.pin(backend)
+    assert pinned_tokens() - before >= prefix_tokens - 2
+    state = bound.run(question="What is the capital of Spain?", backend=backend)
+    assert state.get_meta_info("answer")["cached_tokens"] >= prefix_tokens - 2
+    bound.unpin(backend)
+    assert pinned_tokens() == before
+
+
 @sgl.function
 def think_then_color(s):
     """A reasoning model's output shape, forced by a regex, split by ``separate_reasoning``."""

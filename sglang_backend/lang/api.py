@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import re
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -60,6 +61,7 @@ class SglFunction:
         self.func = func
         self.num_api_spec_tokens = num_api_spec_tokens
         self.bind_arguments = bind_arguments or {}
+        self._pins: dict[int, list[str]] = {}  # pin(): session ids per backend (by id), for unpin()
         params = list(inspect.signature(func).parameters)
         if not params:
             raise TypeError("an @function's first parameter must be the program state (s)")
@@ -139,21 +141,46 @@ class SglFunction:
         if n >= 2 and global_config.enable_precache_with_tracing:
             self.cache(backend)
 
-    def cache(self, backend=None) -> None:
-        """Prefills the program's constant prefix (traced: the text every run starts with, bound arguments
-        included) into the backend's prefix cache, as upstream's ``SglFunction.cache``; runs then start from
-        the cached prefix. Prefixes shorter than PREFIX_CACHE_MIN_CHARS are not worth a call."""
+    def _hint_backend(self, backend):
         backend = backend or global_config.default_backend
         if backend is None:
             raise ValueError("no backend: call set_default_backend(...) or pass backend=...")
-        if not getattr(backend, "fork_hints", True):
-            return
+        return backend
+
+    def _constant_prefix(self, backend) -> str:
+        """The text every run of the program starts with (traced, bound arguments included); "" when the program
+        cannot be traced, or when the prefix is shorter than PREFIX_CACHE_MIN_CHARS (not worth a call)."""
         try:
             prefix = trace_program(self, self.bind_arguments, partial=True).constant_prefix(backend.get_chat_template())
         except Exception:  # noqa: BLE001 - programs that cannot be traced just skip the hint
-            prefix = ""
-        if len(prefix) >= PREFIX_CACHE_MIN_CHARS:
-            backend.cache_prefix(prefix)
+            return ""
+        return prefix if len(prefix) >= PREFIX_CACHE_MIN_CHARS else ""
+
+    def cache(self, backend=None) -> None:
+        """Prefills the program's constant prefix into the backend's prefix cache, as upstream's
+        ``SglFunction.cache``; runs then start from the cached prefix."""
+        backend = self._hint_backend(backend)
+        if getattr(backend, "fork_hints", True):
+            prefix = self._constant_prefix(backend)
+            if prefix:
+                backend.cache_prefix(prefix)
+
+    def pin(self, backend=None) -> None:
+        """Prefills the constant prefix and keeps its KV from eviction until ``unpin`` (older upstream's
+        ``SglFunction.pin``): a session pin on our runtimes, released by ``unpin`` or the session time to live;
+        a backend without KV control (the OpenAI API) ignores it."""
+        backend = self._hint_backend(backend)
+        prefix = self._constant_prefix(backend)
+        if prefix:
+            session_id = f"sgl-pin-{uuid.uuid4().hex}"
+            backend.pin_prefix(prefix, session_id)
+            self._pins.setdefault(id(backend), []).append(session_id)
+
+    def unpin(self, backend=None) -> None:
+        """Releases what ``pin`` kept on this backend (its KV becomes evictable)."""
+        backend = self._hint_backend(backend)
+        for session_id in self._pins.pop(id(backend), []):
+            backend.unpin_prefix(session_id)
 
     def trace(self, *, backend=None, **kwargs):
         """The program's dataflow graph (arguments not given become placeholders)."""
@@ -234,7 +261,12 @@ class CompiledFunction:
             return list(pool.map(lambda kw: self.run(**kw, **run_kwargs), batch_kwargs))
 
 
-def function(func: Callable | None = None, num_api_spec_tokens: int | None = None):
+def function(func: Callable | None = None, num_api_spec_tokens: int | None = None,
+             api_num_spec_tokens: int | None = None):
+    """``@function`` / ``@function(num_api_spec_tokens=N)``; ``api_num_spec_tokens`` is the older name of the same
+    knob (upstream's test_openai_spec still passes it)."""
+    if num_api_spec_tokens is None:
+        num_api_spec_tokens = api_num_spec_tokens
     if func is None:
         return lambda f: SglFunction(f, num_api_spec_tokens)
     return SglFunction(func, num_api_spec_tokens)

@@ -35,7 +35,6 @@ from .ir import (
     cast_dtype,
     reasoning_var_name,
 )
-from .reasoning import separate
 from .speculative import SpecTerm, gen_term, match_terms
 
 CHAT_SPEC_TRIES = 3  # chat speculative execution: completions tried until one follows the template (sampling)
@@ -187,7 +186,7 @@ class StreamExecutor:
         elif isinstance(expr, (SglImage, SglVideo)):
             self._image(expr)
         elif isinstance(expr, SglSeparateReasoning):
-            self._separate_reasoning(expr)
+            self._execute_separate_reasoning(expr)
         else:
             raise TypeError(f"unknown expression {expr!r}")
 
@@ -304,20 +303,24 @@ class StreamExecutor:
         self._append(decision.decision)
         self._set_var(expr.name or f"select_{len(self.variables)}", decision.decision, decision.meta_info)
 
-    def _separate_reasoning(self, expr: SglSeparateReasoning) -> None:
+    def _execute_separate_reasoning(self, expr: SglSeparateReasoning) -> None:
         """Splits each target's output: the answer stays in its variable and in the text (the reasoning is cut
         out of the text where the output was appended), the reasoning goes to ``<name>_reasoning_content``."""
+        # Looked up at each call, as upstream's interpreter does: a patched ReasoningParser is the one used.
+        from ..srt import reasoning_parser
+
         if self.chat_spec:
             self._flush_chat_spec()  # the gens to split are still deferred
         for target in expr.targets:
             raw = self.get_var(target.name)
+            parser = reasoning_parser.ReasoningParser(expr.model_type)
             if isinstance(raw, list):  # gen(n=...): one split per sample; the text holds the first
-                pairs = [separate(r, expr.model_type) for r in raw]
+                pairs = [parser.parse_non_stream(r) for r in raw]
                 reasoning, answer = [p[0] for p in pairs], [p[1] for p in pairs]
                 raw_text, answer_text = raw[0], answer[0]
             else:
                 raw_text = str(raw)
-                reasoning, answer = separate(raw_text, expr.model_type)
+                reasoning, answer = parser.parse_non_stream(raw_text)
                 answer_text = answer
             at = self.text_.rfind(raw_text)
             if at >= 0:

@@ -125,8 +125,8 @@ class SglConstantText(SglExpr):
 
 @dataclass(eq=False)
 class SglGen(SglExpr):
-    name: str | None
-    sampling_params: SglSamplingParams
+    name: str | None = None
+    sampling_params: SglSamplingParams = field(default_factory=SglSamplingParams)  # SglGen(name): all inherited
 
 
 @dataclass(eq=False)

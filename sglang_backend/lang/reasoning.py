@@ -3,7 +3,7 @@ the model-type names upstream programs pass (``model_type="deepseek-r1"``, ``"qw
 
 from __future__ import annotations
 
-from ..runtime.entrypoints.reasoning import PARSERS, split_reasoning
+from ..runtime.entrypoints.reasoning import PARSERS, ReasoningStreamParser, split_reasoning
 
 # Upstream model types that write <think>...</think> like one of our parsers: "starts inside the reasoning"
 # (deepseek-r1) or "reasoning only after a leading <think>" (qwen3).
@@ -29,3 +29,20 @@ def separate(text: str, model_type: str | None) -> tuple[str, str]:
     """``(reasoning, answer)``; reasoning is "" when the text has none (as upstream's parse_non_stream)."""
     reasoning, content = split_reasoning(text, parser_for(model_type))
     return reasoning or "", content
+
+
+class ReasoningParser:
+    """Upstream's ``ReasoningParser(model_type)`` shape over the server's parsers: ``parse_non_stream(text)`` ->
+    ``(reasoning, normal_text)`` (reasoning "" when there is none); ``parse_stream_chunk(delta)`` -> the two
+    deltas of a streamed output. An unknown or missing model type is a ValueError, as upstream's."""
+
+    def __init__(self, model_type: str | None, stream_reasoning: bool = True):
+        self.model_type = model_type
+        self.parser = parser_for(model_type)
+        self._stream = ReasoningStreamParser(self.parser)
+
+    def parse_non_stream(self, full_text: str) -> tuple[str, str]:
+        return separate(full_text, self.model_type)
+
+    def parse_stream_chunk(self, chunk_text: str) -> tuple[str, str]:
+        return self._stream.feed(chunk_text)

@@ -11,6 +11,7 @@ from sglang_backend.utils import http_request
 from tests.upstream_programs import (
     check_cache_prefills_the_prefix,
     check_cot_step_0,
+    check_pin_keeps_the_prefix,
     check_parallel_encoding,
     check_think_then_color,
     gen_character_spec,
@@ -36,6 +37,11 @@ def test_model_name_endpoint_attribute_and_cache(endpoint):
     model_path = endpoint.get_model_name()
     assert model_path == endpoint.model_info["model_path"] and model_path
     check_cache_prefills_the_prefix(endpoint, "issue 28, server")
+
+
+def test_pin_keeps_the_prefix_through_the_server(endpoint):
+    check_pin_keeps_the_prefix(endpoint, lambda: endpoint._get("/get_stats")["session_pinned_tokens"],
+                               "issue 28, server")
 
 
 @pytest.mark.parametrize("which", ["endpoint", "completion_api"])

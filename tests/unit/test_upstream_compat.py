@@ -18,6 +18,7 @@ from tests.unit.test_lang import backend  # noqa: F401 - the same in-process bac
 from tests.upstream_programs import (
     check_cache_prefills_the_prefix,
     check_cot_step_0,
+    check_pin_keeps_the_prefix,
     check_parallel_encoding,
     check_think_then_color,
     few_shot_qa,
@@ -110,6 +111,17 @@ def test_cache_prefills_the_bound_constant_prefix(backend):
     check_cache_prefills_the_prefix(backend, "issue 28, in-process")
 
 
+def test_pin_keeps_the_bound_prefix_until_unpin(backend):
+    check_pin_keeps_the_prefix(backend, lambda: backend.engine.get_stats()["session_pinned_tokens"],
+                               "issue 28, in-process")
+
+
+def test_pin_on_a_backend_without_kv_control_is_a_no_op():
+    be = CannedBackend()
+    few_shot_qa.bind(prompt="The following are questions with answers, long enough to be a prefix hint.\n\n").pin(be)
+    few_shot_qa.unpin(be)  # nothing was pinned: nothing to release
+
+
 # sgl.separate_reasoning ----------------------------------------------------------------------------------------------
 class CannedBackend(BaseBackend):
     """Answers every gen with the next canned text (a reasoning model without the model)."""
@@ -167,18 +179,63 @@ def test_separate_reasoning_on_the_engine(backend):
     check_think_then_color()
 
 
+def test_separate_reasoning_uses_the_reasoning_parser_module():
+    """The interpreter builds ``srt.reasoning_parser.ReasoningParser(model_type)`` at each split, as upstream's
+    does, so a test that patches that name (upstream's test_separate_reasoning_execution) changes the split; the
+    parser itself has upstream's ``parse_non_stream`` / ``parse_stream_chunk`` and refuses unknown types."""
+    from unittest import mock
+
+    from sglang_backend.lang.interpreter import StreamExecutor
+    from sglang_backend.lang.ir import SglGen, SglSeparateReasoning
+    from sglang_backend.srt.reasoning_parser import ReasoningParser
+
+    assert ReasoningParser("deepseek-r1").parse_non_stream("why</think>Paris") == ("why", "Paris")
+    streamed = ReasoningParser("qwen3")
+    pieces = [streamed.parse_stream_chunk(c) for c in ("<think>a", "b</think>", "Paris")]
+    assert "".join(r for r, _ in pieces) == "ab" and "".join(t for _, t in pieces) == "Paris"
+    with pytest.raises(ValueError, match="unknown model_type"):
+        ReasoningParser("no-such-model")
+
+    class Upper:
+        def __init__(self, model_type):
+            self.model_type = model_type
+
+        def parse_non_stream(self, text):
+            return f"R:{self.model_type}", text.upper()
+
+    ex = StreamExecutor(CannedBackend(), {}, sgl.lang.ir.SglSamplingParams(), chat_template=None, use_thread=False)
+    ex._set_var("v", "content")
+    ex.text_ = "content"
+    with mock.patch("sglang_backend.srt.reasoning_parser.ReasoningParser", Upper):
+        ex._execute_separate_reasoning(SglSeparateReasoning("deepseek-r1", expr=SglGen("v")))
+    assert ex.variables["v"] == "CONTENT" and ex.variables["v_reasoning_content"] == "R:deepseek-r1"
+    assert ex.text_ == "CONTENT"
+
+
 # Upstream module paths ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("module, name, target", [
     ("sglang_backend.lang.backend.runtime_endpoint", "RuntimeEndpoint", "sglang_backend.lang.backends.runtime_endpoint"),
     ("sglang_backend.lang.backend.runtime_endpoint", "Runtime", "sglang_backend.lang.backends.runtime_endpoint"),
     ("sglang_backend.lang.backend.openai", "OpenAI", "sglang_backend.lang.backends.openai"),
     ("sglang_backend.lang.backend.base_backend", "BaseBackend", "sglang_backend.lang.backends.base"),
+    # older upstream's package path (test/lang/test_bind_pin.py imports it)
+    ("sglang_backend.backend.runtime_endpoint", "RuntimeEndpoint", "sglang_backend.lang.backends.runtime_endpoint"),
+    ("sglang_backend.backend.openai", "OpenAI", "sglang_backend.lang.backends.openai"),
+    ("sglang_backend.backend.base_backend", "BaseBackend", "sglang_backend.lang.backends.base"),
+    ("sglang_backend.srt.reasoning_parser", "ReasoningParser", "sglang_backend.lang.reasoning"),
     ("sglang_backend.lang.chat_template", "get_chat_template", "sglang_backend.lang.chat_template"),
     # newer upstream keeps hf_transformers_utils under srt/utils/ (test_programs' gen_min_new_tokens imports it there)
     ("sglang_backend.srt.utils.hf_transformers_utils", "get_tokenizer", "sglang_backend.srt.hf_transformers_utils"),
 ])
 def test_upstream_module_paths_are_aliases(module, name, target):
     assert getattr(importlib.import_module(module), name) is getattr(importlib.import_module(target), name)
+
+
+def test_function_takes_the_older_spec_tokens_name():
+    """``@function(api_num_spec_tokens=N)`` (upstream's test_openai_spec still uses the older name) is
+    ``num_api_spec_tokens``."""
+    assert sgl.function(api_num_spec_tokens=64)(lambda s: None).num_api_spec_tokens == 64
+    assert sgl.function(num_api_spec_tokens=32)(lambda s: None).num_api_spec_tokens == 32
 
 
 def test_is_hip_is_false():

@@ -37,6 +37,13 @@ class BaseBackend:
     def cache_prefix(self, prefix_str: str) -> None:
         pass
 
+    def pin_prefix(self, prefix_str: str, session_id: str) -> None:
+        """Prefills the prefix and keeps its KV pinned as ``session_id`` until ``unpin_prefix`` (no-op here: a
+        backend without KV control)."""
+
+    def unpin_prefix(self, session_id: str) -> None:
+        """Ends the session ``pin_prefix`` opened: its KV becomes evictable."""
+
     def generate(self, s, sampling_params: SglSamplingParams) -> tuple[str, dict]:
         raise NotImplementedError
 
@@ -106,11 +113,21 @@ class NativeAPIBackend(BaseBackend):
                 fields["return_text_in_logprobs"] = True
         return fields
 
-    def cache_prefix(self, prefix_str: str) -> None:
+    def cache_prefix(self, prefix_str: str, session_id: str | None = None) -> None:
         # A prefix with image placeholders needs its images; without them the hint is skipped (the first
         # branch then caches the shared prefix, image included, for the others).
         if prefix_str and self.image_token not in prefix_str:
-            self._call({"text": prefix_str, "sampling_params": {"max_new_tokens": 0}})
+            self._call({"text": prefix_str, "sampling_params": {"max_new_tokens": 0},
+                        **({"session_id": session_id} if session_id else {})})
+
+    def pin_prefix(self, prefix_str: str, session_id: str) -> None:
+        self.cache_prefix(prefix_str, session_id)  # a finished request of a session leaves its KV pinned
+
+    def unpin_prefix(self, session_id: str) -> None:
+        self.end_session(session_id)
+
+    def end_session(self, session_id: str) -> bool:
+        raise NotImplementedError
 
     def generate(self, s, sampling_params: SglSamplingParams) -> tuple[str, dict]:
         out = self._call({"text": s.text_, "sampling_params": sampling_params.to_runtime_params(),

@@ -6,7 +6,7 @@ from ..chat_template import get_chat_template, guess_chat_template
 from .base import NativeAPIBackend
 
 _ENGINE_ARGS = ("text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                "return_text_in_logprobs", "image_data")
+                "return_text_in_logprobs", "image_data", "session_id")
 
 
 class EngineBackend(NativeAPIBackend):
@@ -43,6 +43,9 @@ class EngineBackend(NativeAPIBackend):
 
     def _stream(self, payload: dict):
         return self.engine.generate(**self._kwargs(payload), stream=True)
+
+    def end_session(self, session_id: str) -> bool:
+        return self.engine.end_session(session_id)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -102,6 +102,11 @@ class RuntimeEndpoint(NativeAPIBackend):
     def flush_cache(self) -> None:
         self.session.post(self.base_url + "/flush_cache", timeout=self.timeout)
 
+    def end_session(self, session_id: str) -> bool:
+        r = self.session.post(self.base_url + "/end_session", json={"session_id": session_id}, timeout=self.timeout)
+        r.raise_for_status()
+        return bool(r.json().get("released", False))
+
 
 def _free_port() -> int:
     with socket.socket() as s:
