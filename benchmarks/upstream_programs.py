@@ -28,7 +28,9 @@ rewrite: sibling examples (``from json_decode import ...``) and upstream's test 
 Statuses: ``pass``; ``fail(knowledge)``: an AssertionError raised in the upstream file (the reason quotes its line:
 read it, a shape assert there would be a real failure); ``fail(error)``: anything else (exception type, message,
 where); ``skip``: upstream's own ``unittest.skip``; ``n/a``: not run on that backend (the offline ``Engine`` API
-only in-process, raw-HTTP scripts only against the server, functions upstream does not call on that backend).
+only in-process, raw-HTTP scripts only against the server, functions upstream does not call on that backend), or
+a capability the served model lacks (``MODEL_LIMITS``: images for a text model). ``LONG_PROGRAMS`` get a multiple
+of ``--timeout``.
 One server (``sglang-backend serve --max-total-tokens 8192``) serves the endpoint and openai backends.
 ``--stub-missing-aliases`` stands in for the few upstream names sglang_backend lacks that fail a whole file at its
 import (``stub_missing_aliases``), to see the programs behind them; without it those files fail(error) as a whole.
@@ -76,6 +78,12 @@ ONLY_ON = {  # program -> the backends it is for
     "test/lang/test_srt_engine.py": {"engine"},
     "usage/json_logprobs.py": {"endpoint"},  # raw HTTP to /generate and /v1/completions: the server itself
 }
+# Programs that run longer than --timeout on a small CPU, by design: the limit is multiplied for them.
+LONG_PROGRAMS = {
+    "usage/cot_decoding.py": 4,  # 10 paths, each up to 1024 greedy tokens with top-2 logprobs, one after another
+}
+# Errors that say the served model lacks a capability a program needs (the CI model is a small text model).
+MODEL_LIMITS = {"this model takes no images": "the served model takes no images (a text model)"}
 _IMPORT = re.compile(r"^(\s*)(import sglang as sgl\b|from sglang(?=[.\s]))", re.M)
 # unittest.mock targets name modules by their import path: patch("sglang.srt.x.Name") is an import too.
 _PATCH_TARGET = re.compile(r"""(\bpatch(?:\.object|\.dict)?\(\s*(?P<q>["']))sglang\.""")
@@ -305,6 +313,9 @@ def classify(exc: BaseException, repo: str) -> tuple[str, str]:
     upstream = [f for f in frames if os.path.abspath(f.filename).startswith(repo)]
     in_test = last is not None and (last in upstream or last.filename.endswith(os.path.join("unittest", "case.py")))
     message = (str(exc).strip().splitlines() or [""])[0][:160]
+    limit = next((why for text, why in MODEL_LIMITS.items() if text in str(exc)), None)
+    if limit is not None:
+        return "n/a", limit
     if isinstance(exc, AssertionError) and upstream and in_test:
         return "fail(knowledge)", f"{upstream[-1].line} -> {message}"
     where = f"{os.path.relpath(last.filename)}:{last.lineno}" if last else "?"
@@ -374,7 +385,7 @@ class Column:
             with programs_use(self.name, self.backend, self.server_url):
                 body()
 
-        return run_one(program, self.name, in_context, self.repo, self.limit)
+        return run_one(program, self.name, in_context, self.repo, self.limit * LONG_PROGRAMS.get(program, 1))
 
 
 def test_programs_rows(col: Column) -> list[dict]:

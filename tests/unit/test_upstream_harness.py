@@ -39,3 +39,16 @@ def test_upstream_test_modules_are_served_rewritten(tmp_path):
         sys.path.remove(str(tmp_path / "python"))
         for name in [n for n in sys.modules if n.startswith("sglang_backend.test")]:
             del sys.modules[name]
+
+
+def test_a_capability_the_served_model_lacks_is_not_a_failure():
+    from benchmarks.upstream_programs import classify
+
+    try:
+        raise RuntimeError("program failed: Error code: 400 - this model takes no images")
+    except RuntimeError as e:
+        assert classify(e, "/nowhere") == ("n/a", "the served model takes no images (a text model)")
+    try:
+        raise KeyError("answer")
+    except KeyError as e:
+        assert classify(e, "/nowhere")[0] == "fail(error)"
