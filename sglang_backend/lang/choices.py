@@ -35,6 +35,27 @@ def normalized_logprob(entries: list) -> float:
     return float(sum(values) / len(values)) if values else float("-inf")
 
 
+def choice_entries(entries: list, prefix_tokens: list, start: int, key) -> list:
+    """One choice's scored entries after the prefix, for ``select``: ``entries[k]`` scores the token at position
+    ``start + k`` of prefix + choice (scoring starts a little before the prefix's end: its last token may fuse with
+    the choice's first characters, and then it belongs to the choice). The entries whose token (``key(entry)``: an
+    id, or a text where the API sends texts) still equals the prefix's are skipped, unscored ones dropped."""
+    k = 0
+    while k < len(entries) and start + k < len(prefix_tokens) and key(entries[k]) == prefix_tokens[start + k]:
+        k += 1
+    return [e for e in entries[k:] if e[0] is not None]
+
+
+def decide(choices_method: ChoicesSamplingMethod, choices: list[str], input_token_logprobs: list,
+           output_token_logprobs: list, unconditional_token_logprobs: list | None) -> ChoicesDecision:
+    """``choices_method``'s decision over each choice's scored entries (their token-length normalized logprob
+    computed here)."""
+    normalized = [normalized_logprob(e) for e in input_token_logprobs]
+    return choices_method(choices=choices, normalized_prompt_logprobs=normalized,
+                          input_token_logprobs=input_token_logprobs, output_token_logprobs=output_token_logprobs,
+                          unconditional_token_logprobs=unconditional_token_logprobs)
+
+
 class TokenLengthNormalized(ChoicesSamplingMethod):
     """The choice with the highest mean token logprob."""
 

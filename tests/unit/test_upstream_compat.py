@@ -415,3 +415,18 @@ def test_compiled_program_run_batch_with_sampling_defaults(backend):
     assert all(s.get_meta_info("tip")["completion_tokens"] <= 6 for s in states)
     with pytest.raises(TypeError, match="list"):
         compiled.run_batch({"topic": "x"})
+
+
+def test_every_backend_counts_its_token_usage(backend):
+    """``backend.token_usage`` (upstream's speculative-execution examples reset and print it) counts the prompt and
+    completion tokens of each call on the runtime backends too, streamed calls included."""
+    say_hi = sgl.function(lambda s: s.__iadd__("Say hi:" + sgl.gen("x", max_tokens=3, ignore_eos=True, temperature=0)))
+    usage = backend.token_usage
+    usage.reset()
+    say_hi.run(backend=backend)
+    prompt = len(backend.tokenize("Say hi:"))
+    assert (usage.api_calls, usage.prompt_tokens, usage.completion_tokens) == (1, prompt, 3)
+    "".join(say_hi.run(backend=backend, stream=True).text_iter())
+    assert (usage.api_calls, usage.prompt_tokens, usage.completion_tokens) == (2, 2 * prompt, 6)
+    usage.reset()
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.api_calls) == (0, 0, 0)

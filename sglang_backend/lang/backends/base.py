@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Iterator
 
 from ..chat_template import ChatTemplate, guess_chat_template
-from ..choices import ChoicesDecision, normalized_logprob, token_length_normalized
+from ..choices import ChoicesDecision, choice_entries, decide, token_length_normalized
 from ..ir import SglSamplingParams, SglVideo
 
 
@@ -21,9 +22,34 @@ def image_data_url(item):
     return encode_image_data_url(load_image(item, allow_local_media=True))
 
 
+@dataclass
+class TokenUsage:
+    """Tokens a backend's calls used (upstream's ``backend.token_usage``, which its speculative-execution examples
+    reset and print): prompt and completion tokens as the server counted them, and the number of calls."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    api_calls: int = 0
+
+    def reset(self) -> None:
+        self.prompt_tokens = self.completion_tokens = self.api_calls = 0
+
+    def add(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.api_calls += 1
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+
+
 class BaseBackend:
     supports_stream = True
     fork_hints = True  # send the shared prefix before fork branches / run_batch (ablation switch)
+
+    @property
+    def token_usage(self) -> TokenUsage:
+        usage = self.__dict__.get("_token_usage")
+        if usage is None:
+            usage = self.__dict__["_token_usage"] = TokenUsage()
+        return usage
 
     @property
     def endpoint(self):
@@ -66,8 +92,9 @@ class BaseBackend:
 
 
 class NativeAPIBackend(BaseBackend):
-    """Subclasses implement ``_call(payload) -> dict | list[dict]`` (our /generate request and response
-    shapes), ``_stream(payload) -> iterator of dicts`` and ``tokenize(text)``."""
+    """Subclasses implement ``_send(payload) -> dict | list[dict]`` (our /generate request and response
+    shapes), ``_send_stream(payload) -> iterator of dicts`` and ``tokenize(text)``; ``_call`` and ``_stream`` send
+    through them and count the tokens each request used (``token_usage``)."""
 
     image_token = "<image>"  # the LLaVA placeholder; the runtime maps it to the model's image token
 
@@ -91,11 +118,27 @@ class NativeAPIBackend(BaseBackend):
         images = self._encode_images(list(s.images_))
         return {"image_data": images if n is None else [images] * n}
 
-    def _call(self, payload: dict):
+    def _send(self, payload: dict):
         raise NotImplementedError
 
-    def _stream(self, payload: dict):
+    def _send_stream(self, payload: dict):
         raise NotImplementedError
+
+    def _count(self, out: dict) -> None:
+        meta = out.get("meta_info", {})
+        self.token_usage.add(meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0))
+
+    def _call(self, payload: dict):
+        out = self._send(payload)
+        for one in out if isinstance(out, list) else [out]:
+            self._count(one)
+        return out
+
+    def _stream(self, payload: dict):
+        for chunk in self._send_stream(payload):
+            if chunk.get("meta_info", {}).get("finish_reason") is not None:
+                self._count(chunk)  # the last chunk's meta_info has the request's totals
+            yield chunk
 
     def tokenize(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -163,22 +206,13 @@ class NativeAPIBackend(BaseBackend):
         start = max(len(prefix_ids) - 2, 0)
         outs = self._call({"text": [s.text_ + c for c in choices], "sampling_params": {"max_new_tokens": 0},
                            "return_logprob": True, "logprob_start_len": start, "return_text_in_logprobs": True})
-        input_token_logprobs, output_token_logprobs = [], []
-        for out in outs:
-            entries = out["meta_info"]["input_token_logprobs"]
-            # entries[k] scores the token at position start + k; the choice begins where the ids leave the prefix.
-            k = 0
-            while k < len(entries) and start + k < len(prefix_ids) and entries[k][1] == prefix_ids[start + k]:
-                k += 1
-            input_token_logprobs.append([e for e in entries[k:] if e[0] is not None])
-            output_token_logprobs.append(out["meta_info"].get("output_token_logprobs", []))
-        normalized = [normalized_logprob(e) for e in input_token_logprobs]
+        input_token_logprobs = [choice_entries(o["meta_info"]["input_token_logprobs"], prefix_ids, start,
+                                               lambda e: e[1]) for o in outs]
+        output_token_logprobs = [o["meta_info"].get("output_token_logprobs", []) for o in outs]
         unconditional = None
         if choices_method.requires_unconditional_logprobs:
             ids = [[e[1] for e in option] for option in input_token_logprobs]
             unc = self._call({"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                               "logprob_start_len": 0, "return_text_in_logprobs": True})
             unconditional = [o["meta_info"]["input_token_logprobs"] for o in unc]
-        return choices_method(choices=choices, normalized_prompt_logprobs=normalized,
-                              input_token_logprobs=input_token_logprobs, output_token_logprobs=output_token_logprobs,
-                              unconditional_token_logprobs=unconditional)
+        return decide(choices_method, choices, input_token_logprobs, output_token_logprobs, unconditional)

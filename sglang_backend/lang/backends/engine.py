@@ -38,10 +38,10 @@ class EngineBackend(NativeAPIBackend):
             kwargs["prompt"] = kwargs.pop("text")
         return kwargs
 
-    def _call(self, payload: dict):
+    def _send(self, payload: dict):
         return self.engine.generate(**self._kwargs(payload))
 
-    def _stream(self, payload: dict):
+    def _send_stream(self, payload: dict):
         return self.engine.generate(**self._kwargs(payload), stream=True)
 
     def end_session(self, session_id: str) -> bool:

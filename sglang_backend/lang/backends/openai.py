@@ -13,22 +13,12 @@ with ``top_logprobs_num``; see those methods.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from ..chat_template import get_chat_template, guess_chat_template
-from ..choices import ChoicesDecision, normalized_logprob, token_length_normalized
+from ..choices import ChoicesDecision, choice_entries, decide, token_length_normalized
 from ..ir import SglSamplingParams, SglVideo
-from .base import BaseBackend, image_data_url
+from .base import BaseBackend, TokenUsage, image_data_url  # noqa: F401 - TokenUsage: upstream's path
 
-
-@dataclass
-class TokenUsage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    api_calls: int = 0
-
-    def reset(self) -> None:
-        self.prompt_tokens = self.completion_tokens = self.api_calls = 0
 
 
 class OpenAI(BaseBackend):
@@ -45,7 +35,6 @@ class OpenAI(BaseBackend):
             is_chat_model = not any(k in model_name for k in ("instruct", "davinci", "babbage"))
         self.is_chat_model = is_chat_model
         self.chat_template = get_chat_template(chat_template) if chat_template else guess_chat_template(None, model_name)
-        self.token_usage = TokenUsage()
 
     def get_model_name(self) -> str:
         return self.model_name
@@ -76,10 +65,7 @@ class OpenAI(BaseBackend):
         return {k: v for k, v in kwargs.items() if v is not None}
 
     def _account(self, usage) -> None:
-        self.token_usage.api_calls += 1
-        if usage is not None:
-            self.token_usage.prompt_tokens += usage.prompt_tokens
-            self.token_usage.completion_tokens += usage.completion_tokens
+        self.token_usage.add(usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
 
     def generate(self, s, sampling_params: SglSamplingParams) -> tuple[str, dict]:
         kwargs = self._request_kwargs(sampling_params)
@@ -171,9 +157,7 @@ class OpenAI(BaseBackend):
             unconditional = self._score_texts(["".join(e[2] for e in option) for option in scored])
             if unconditional is None:
                 raise RuntimeError("select(): the server did not score the choices alone (echo with logprobs)")
-        return choices_method(choices=choices, normalized_prompt_logprobs=[normalized_logprob(e) for e in scored],
-                              input_token_logprobs=scored, output_token_logprobs=[[] for _ in choices],
-                              unconditional_token_logprobs=unconditional)
+        return decide(choices_method, choices, scored, [[] for _ in choices], unconditional)
 
     def _score_texts(self, texts: list[str]) -> list[list[tuple]] | None:
         """Each text's tokens as (logprob, None, token text), the first logprob None, from one echo request; None
@@ -202,13 +186,8 @@ class OpenAI(BaseBackend):
         if texts is None:
             return None
         prefix_tokens = [e[2] for e in texts[0]]
-        scored = []
-        for entries in texts[1:]:
-            k = max(len(prefix_tokens) - 2, 0)
-            while k < len(prefix_tokens) and k < len(entries) and entries[k][2] == prefix_tokens[k]:
-                k += 1
-            scored.append([e for e in entries[k:] if e[0] is not None])
-        return scored
+        start = max(len(prefix_tokens) - 2, 0)
+        return [choice_entries(entries[start:], prefix_tokens, start, lambda e: e[2]) for entries in texts[1:]]
 
     def _select_by_regex(self, s, choices, temperature) -> ChoicesDecision:
         pattern = "(" + "|".join(re.escape(c) for c in choices) + ")"

@@ -73,12 +73,12 @@ class RuntimeEndpoint(NativeAPIBackend):
         the client's files. Strings that are not local files (data URLs, base64) pass through."""
         return [image_data_url(item) for item in images]
 
-    def _call(self, payload: dict):
+    def _send(self, payload: dict):
         r = self.session.post(self.base_url + "/generate", json=payload, timeout=self.timeout)
         self._raise(r)
         return r.json()
 
-    def _stream(self, payload: dict):
+    def _send_stream(self, payload: dict):
         with self.session.post(self.base_url + "/generate", json=payload, stream=True, timeout=self.timeout) as r:
             self._raise(r)
             for line in r.iter_lines(decode_unicode=True):
