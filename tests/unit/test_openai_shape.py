@@ -94,3 +94,18 @@ def test_server_args_embedding_pooling_is_checked():
     assert ServerArgs().embedding_pooling == "last"
     with pytest.raises(ValueError, match="embedding_pooling"):
         ServerArgs(embedding_pooling="max")
+
+
+def test_logprob_entries_carry_each_tokens_own_bytes(smollm_dir):
+    """A character split over byte tokens decodes to U+FFFD token by token; the entries' bytes are the tokens' own,
+    so they join into the text's bytes (OpenAI's ``bytes`` field; the LangChain adapter reports the same)."""
+    from transformers import AutoTokenizer
+
+    from sglang_backend.runtime.entrypoints.openai_common import token_entry
+
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    text = "Taro's color: 黒 #E"
+    entries = [token_entry(tok, tid, -0.5) for tid in tok.encode(text)]
+    assert any(e["token"] == "\ufffd" for e in entries)  # the split character is there
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == text
+    assert all(e["logprob"] == -0.5 for e in entries)

@@ -233,16 +233,18 @@ def _to_chat(messages: Sequence[BaseMessage], system_extra: str | None) -> list[
     return merged
 
 
-def _openai_logprobs(meta_info: dict) -> dict:
-    """The engine's output logprobs ((logprob, id, text) entries) in OpenAI's chat shape."""
-    def entry(logprob: float, text: str | None) -> dict:
-        return {"token": text or "", "logprob": logprob, "bytes": list((text or "").encode("utf-8"))}
+def _openai_logprobs(meta_info: dict, tokenizer) -> dict:
+    """The engine's output logprobs ((logprob, id, text) entries) in OpenAI's chat shape, as the server's OpenAI
+    route writes them (each token's own bytes)."""
+    # deferred: the server's OpenAI layer (starlette) is loaded only for in-process logprobs
+    from sglang_backend.runtime.entrypoints.openai_common import token_entry
 
     tops = meta_info.get("output_top_logprobs") or []
     content = []
-    for i, (logprob, _, text) in enumerate(meta_info.get("output_token_logprobs") or []):
+    for i, (logprob, tid, _) in enumerate(meta_info.get("output_token_logprobs") or []):
         alternatives = tops[i] if i < len(tops) and tops[i] else []
-        content.append({**entry(logprob, text), "top_logprobs": [entry(lp, t) for lp, _, t in alternatives]})
+        content.append({**token_entry(tokenizer, tid, logprob),
+                        "top_logprobs": [token_entry(tokenizer, t, lp) for lp, t, _ in alternatives]})
     return {"content": content}
 
 
@@ -589,7 +591,7 @@ class ChatSGLang(BaseChatModel):
         for o, m in zip(outs, metas):
             m["completion_tokens"] = total
             if req.logprobs:
-                m["logprobs"] = _openai_logprobs(without_stop_token(o)["meta_info"])
+                m["logprobs"] = _openai_logprobs(without_stop_token(o)["meta_info"], self.engine.tokenizer)
         return [(o["text"], m) for o, m in zip(outs, metas)]
 
     def _choices_from_openai(self, obj: dict) -> list[tuple[str, dict]]:

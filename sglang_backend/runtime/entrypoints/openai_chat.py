@@ -13,7 +13,7 @@ from .app_context import AppContext
 from .errors import APIError
 from .execution import off_loop, output_streams, prepare_all, render_chat_prompt, run_all
 from .openai_common import (StreamedChoices, finish_reason, include_usage, openai_sse, read_openai_request,
-                            response_header, sample_rid, sampling_from_openai, sent_logprobs, usage,
+                            response_header, sample_rid, sampling_from_openai, sent_logprobs, token_entry, usage,
                             without_stop_token)
 from .openai_protocol import ChatCompletionRequest
 from .reasoning import ReasoningStreamParser, split_reasoning
@@ -167,11 +167,6 @@ def chat_inputs(req: ChatCompletionRequest, prompt: str, images: list, sp: dict)
 
 
 # Response -----------------------------------------------------------------------------------------------------------
-def token_entry(tokenizer, tid: int, logprob: float) -> dict:
-    tok = tokenizer.decode([tid])
-    return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
-
-
 def chat_logprobs(out: dict, tokenizer, top: int, start: int = 0) -> dict:
     """OpenAI chat logprobs for output tokens from ``start`` (streams send each token once)."""
     items = []

@@ -79,6 +79,19 @@ def ended_on_stop_token(out: dict) -> bool:
     return fr.get("type") == "stop" and type(matched) is int and bool(ids) and ids[-1] == matched
 
 
+def token_entry(tokenizer, tid: int, logprob: float) -> dict:
+    """One OpenAI chat logprob entry: the token's text and the token's own bytes. A token that holds part of a
+    UTF-8 character decodes to U+FFFD alone, so its bytes come from the vocabulary: the entries' bytes then join
+    into the output's bytes, as OpenAI's do."""
+    # Deferred: the vocabulary (constrained decoding's) is built on the first logprob request only.
+    from ..constrained.token_index import get_vocabulary
+
+    tok = tokenizer.decode([tid])
+    vocab = get_vocabulary(tokenizer)
+    raw = vocab.token_bytes[tid] if 0 <= tid < vocab.size else None
+    return {"token": tok, "logprob": logprob, "bytes": list(raw if raw is not None else tok.encode("utf-8"))}
+
+
 def without_stop_token(out: dict, keep_stop_token: bool = False) -> dict:
     """The output as OpenAI reports it: the stop token that ended it is neither counted in ``completion_tokens``
     nor listed in the logprobs (the native /generate keeps both, as upstream SGLang does). ``keep_stop_token``
