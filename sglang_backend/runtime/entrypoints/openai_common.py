@@ -83,12 +83,14 @@ def token_entry(tokenizer, tid: int, logprob: float) -> dict:
     """One OpenAI chat logprob entry: the token's text and the token's own bytes. A token that holds part of a
     UTF-8 character decodes to U+FFFD alone, so its bytes come from the vocabulary: the entries' bytes then join
     into the output's bytes, as OpenAI's do."""
-    # Deferred: the vocabulary (constrained decoding's) is built on the first logprob request only.
+    # Deferred: the vocabulary (constrained decoding's) is loaded only for a token that needs it.
     from ..constrained.token_index import get_vocabulary
 
     tok = tokenizer.decode([tid])
-    vocab = get_vocabulary(tokenizer)
-    raw = vocab.token_bytes[tid] if 0 <= tid < vocab.size else None
+    raw = None
+    if "\ufffd" in tok:  # only then did decoding lose bytes (the vocabulary is built on the first such token)
+        vocab = get_vocabulary(tokenizer)
+        raw = vocab.token_bytes[tid] if 0 <= tid < vocab.size else None
     return {"token": tok, "logprob": logprob, "bytes": list(raw if raw is not None else tok.encode("utf-8"))}
 
 
