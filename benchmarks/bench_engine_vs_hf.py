@@ -113,12 +113,13 @@ class HFRunner:
 
     def __init__(self, model_path: str):
         import torch
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
+
+        from sglang_backend.runtime.model_loader.loader import load_hf_reference  # deferred: imports torch
 
         hf_logging.set_verbosity_error()
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.model = load_hf_reference(model_path)
         gc = self.model.generation_config
         eos = gc.eos_token_id if gc.eos_token_id is not None else self.model.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])

@@ -52,6 +52,7 @@ XDG_CACHE_HOME = EnvVar[str | None]("XDG_CACHE_HOME", None, "The cache root when
 HF_HUB_OFFLINE = EnvVar[bool]("HF_HUB_OFFLINE", False, "Never download from the Hugging Face Hub")
 CUDA_VISIBLE_DEVICES = EnvVar[str | None]("CUDA_VISIBLE_DEVICES", None, "GPUs this process may use")
 TRITON_INTERPRET = EnvVar[bool]("TRITON_INTERPRET", False, "Triton's CPU interpreter (no PDL then)")
+CC = EnvVar[str | None]("CC", None, "C compiler for the native CPU kernels (default: cc)")
 
 # Process supervision -------------------------------------------------------------------------------------------
 DIE_WITH_PARENT = EnvVar[bool]("SGLANG_BACKEND_DIE_WITH_PARENT", False,
@@ -66,6 +67,16 @@ TP_PROFILE = EnvVar[str | None]("SGLANG_BACKEND_TP_PROFILE", None,
 TP_STATS = EnvVar[bool]("SGLANG_BACKEND_TP_STATS", False, "TP followers print their step statistics at exit")
 
 REGISTRY = {v.name: v for v in list(globals().values()) if isinstance(v, EnvVar)}
+
+
+def cache_root() -> str:
+    """``$SGLANG_BACKEND_CACHE``, else ``$XDG_CACHE_HOME/sglang_backend``, else ``~/.cache/sglang_backend``."""
+    env = CACHE_DIR.get()
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    xdg = XDG_CACHE_HOME.get()
+    base = os.path.expanduser(xdg) if xdg else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.abspath(os.path.join(base, "sglang_backend"))
 
 
 def child_env(**overrides: str) -> dict[str, str]:

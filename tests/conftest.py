@@ -224,6 +224,48 @@ def tiny_gqa_dir(tmp_path_factory) -> str:
     return _tiny_dir(tmp_path_factory, "tiny_gqa", num_attention_heads=4, num_key_value_heads=2)
 
 
+# Which GGUF block type tiny_quantized_dir gives each weight (None: stays float32). Layer 1's q and k differ,
+# so its fused qkv cannot keep blocks and is dequantized at load: both paths in one model.
+def _tiny_block_type(name: str) -> str | None:
+    if name.endswith("norm.weight"):
+        return None
+    if ".layers.1.self_attn.k_proj" in name:
+        return "Q8_0"
+    for part, gguf_type in (("q_proj", "Q4_1"), ("k_proj", "Q4_1"), ("v_proj", "Q4_1"), ("o_proj", "Q4_0"),
+                            ("gate_proj", "Q8_0"), ("up_proj", "Q8_0"), ("down_proj", "Q4_1"),
+                            ("embed_tokens", "Q8_0"), ("lm_head", "Q4_0")):
+        if part in name:
+            return gguf_type
+    return None
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized_dir(tmp_path_factory, tiny_gqa_dir) -> str:
+    """tiny_gqa's weights quantized in the test into GGUF blocks (Q4_0, Q4_1, Q8_0; see _tiny_block_type), stored
+    as a converted GGUF stores them. The HF reference (load_hf_reference) dequantizes the same blocks."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from sglang_backend.runtime.layers import gguf_quant
+    from sglang_backend.runtime.model_loader.loader import iterate_weights
+
+    out = str(tmp_path_factory.mktemp("tiny_quantized"))
+    for name in os.listdir(tiny_gqa_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_gqa_dir, name), out)
+    tensors, types = {}, {}
+    for name, tensor in iterate_weights(tiny_gqa_dir):
+        gguf_type = _tiny_block_type(name)
+        tensors[name] = tensor if gguf_type is None else gguf_quant.quantize(tensor, gguf_type)
+        if gguf_type is not None:
+            types[name] = gguf_type
+    save_file(tensors, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt", gguf_quant.GGUF_TYPES_METADATA: json.dumps(types)})
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_tied_dir(tmp_path_factory) -> str:
     """Llama with tied input/output embeddings (as SmolLM2)."""
@@ -323,13 +365,13 @@ def _pool_whole_after_test(request):
 @pytest.fixture(scope="module")
 def hf_model_cache():
     """HF reference models loaded once per directory (and module: one module uses them)."""
-    from transformers import AutoModelForCausalLM
+    from sglang_backend.runtime.model_loader.loader import load_hf_reference
 
     cache: dict[str, object] = {}
 
     def get(path: str):
         if path not in cache:
-            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            cache[path] = load_hf_reference(path)  # a converted GGUF's blocks dequantized
         return cache[path]
 
     yield get

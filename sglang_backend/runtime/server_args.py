@@ -11,6 +11,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer", "fa3")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("auto", "none")
 GEMV_MODES = ("auto", "off", "on", "fused", "fused_rope")  # resolved by layers/kernel_options.py
 ATTENTION_MERGES = ("fused", "stage2")
 EMBEDDING_POOLINGS = ("last", "mean")  # an embedding: the last prompt token's final hidden state, or their mean
@@ -24,6 +25,7 @@ class ServerArgs:
     load_format: str = field(default="auto", metadata={"help": "auto (weights from model_path) or dummy (random weights from its config)", "choices": LOAD_FORMATS})
     dtype: str = field(default="auto", metadata={"help": "auto: float32 on CPU, bfloat16 on GPU when supported", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    quantization: str = field(default="auto", metadata={"help": "auto: weights a checkpoint stores quantized (a GGUF's Q4_0/Q4_1/Q8_0 blocks) stay quantized on a float32 CPU run when the native kernels build here (AVX2, a C compiler), else are dequantized at load; none: always dequantize at load", "choices": QUANTIZATIONS})
     context_length: int | None = field(default=None, metadata={"help": "Override the model's max context length"})
     served_model_name: str | None = field(default=None, metadata={"help": "Model name(s) reported by /v1/models: comma-separated aliases, the first is the main one (default: the model path). Requests may name any model; the one model answers"})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling"})
@@ -100,6 +102,8 @@ class ServerArgs:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:

@@ -13,9 +13,10 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from sglang_backend.runtime.model_loader.embedded import default_model_path
+from sglang_backend.runtime.model_loader.loader import load_hf_reference
 
 # A prompt SmolLM2 answers briefly at temperature 0, ending on <|im_end|> well before MAX_TOKENS.
 SHORT_ANSWER = [{"role": "user", "content": "Reply with one word: hello"}]
@@ -143,7 +144,7 @@ def test_max_tokens_zero_without_echo_returns_nothing(oai):
 @pytest.fixture(scope="module")
 def hf_smollm():
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    return load_hf_reference(path), AutoTokenizer.from_pretrained(path)
 
 
 def hf_last_token_embedding(hf_smollm, ids: list[int]) -> torch.Tensor:

@@ -37,7 +37,8 @@ def smollm_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("which", ["tiny_gqa_dir", "tiny_tied_dir", "tiny_llama3_dir", "tiny_qwen3_dir",
-                                   "tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_gemma3_dir", "smollm_dir"])
+                                   "tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_gemma3_dir", "tiny_quantized_dir",
+                                   "smollm_dir"])
 def test_greedy_matches_hf_single_and_batch(which, request, hf_model_cache):
     path = request.getfixturevalue(which)
     hf = hf_model_cache(path)
@@ -63,7 +64,7 @@ def test_greedy_matches_hf_single_and_batch(which, request, hf_model_cache):
 
 
 @pytest.mark.parametrize("which", ["tiny_gqa_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_mixtral_dir",
-                                   "tiny_gemma3_dir", "smollm_dir"])
+                                   "tiny_gemma3_dir", "tiny_quantized_dir", "smollm_dir"])
 def test_logprobs_match_hf(which, request, hf_model_cache):
     path = request.getfixturevalue(which)
     hf = hf_model_cache(path)
@@ -111,7 +112,7 @@ def test_logprobs_match_hf(which, request, hf_model_cache):
 @pytest.mark.parametrize("engine_kwargs", [dict(chunked_prefill_size=16), dict(page_size=4),
                                            dict(page_size=4, chunked_prefill_size=16),
                                            dict(chunked_prefill_size=16, enable_mixed_chunk=True)], ids=str)
-@pytest.mark.parametrize("which", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_gemma3_dir"])
+@pytest.mark.parametrize("which", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_gemma3_dir", "tiny_quantized_dir"])
 def test_qwen3_matches_hf_chunked_and_paged(engine_kwargs, which, request, hf_model_cache):
     """Qwen3's q/k norms, the experts and Gemma 3's sliding windows (8 tokens, shorter than a chunk) hold under
     chunked prefill (16 tokens at a time), 4-token pages and mixed chunks (the running requests decode inside

@@ -15,7 +15,7 @@ import torch
 
 from sglang_backend.runtime.model_loader import embedded as embedded_mod
 from sglang_backend.runtime.model_loader import gguf as gguf_mod
-from sglang_backend.runtime.model_loader import load_config, load_tokenizer, resolve_model_path
+from sglang_backend.runtime.model_loader import load_config, load_hf_reference, load_tokenizer, resolve_model_path
 from tests.conftest import make_engine
 
 
@@ -196,7 +196,7 @@ def test_synthetic_gemma3_gguf_round_trip(tmp_path):
     assert cfg.rope_parameters == src_cfg.rope_parameters
 
     ref = AutoModelForCausalLM.from_pretrained(src).eval()
-    conv = AutoModelForCausalLM.from_pretrained(out).eval()
+    conv = load_hf_reference(out)
     # (the ids from the source's tokenizer: a byte-level vocabulary under model_type gemma3_text loads as a
     # GemmaTokenizer that cannot encode; real Gemma GGUFs carry a sentencepiece vocabulary, tested below)
     ids = torch.tensor([load_tokenizer(src)("The capital of France is Paris. " * 4).input_ids])
@@ -277,11 +277,9 @@ def _prompts(tok) -> list[list[int]]:
 
 @needs_gemma3
 def test_gemma3_engine_equals_hf_greedy(gemma3_dir, gemma3_tok):
-    from transformers import AutoModelForCausalLM
-
     tok = gemma3_tok
     prompts = _prompts(tok)
-    hf = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+    hf = load_hf_reference(gemma3_dir)
     expected = []
     with torch.no_grad():
         for p in prompts:

@@ -19,12 +19,15 @@ from sglang_backend.runtime.model_loader import (
     default_model_path,
     dummy_config,
     embedded_gguf_path,
+    gguf_block_types,
     iterate_weights,
     load_config,
+    load_hf_reference,
     load_tokenizer,
     resolve_model_path,
     save_dummy_hf_model,
 )
+from sglang_backend.runtime.layers.gguf_quant import GGUFBlocks
 from sglang_backend.runtime.model_loader import embedded as embedded_mod
 from sglang_backend.runtime.model_loader import gguf as gguf_mod
 
@@ -77,11 +80,9 @@ def test_default_dir_layout(default_dir):
 
 @needs_embedded
 def test_default_model_answers_paris_with_hf(default_dir):
-    from transformers import AutoModelForCausalLM
-
     tok = load_tokenizer(default_dir)
     assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None
-    model = AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32).eval()
+    model = load_hf_reference(default_dir)
     enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
     prompt = tok.decode(enc["input_ids"][0])
@@ -279,9 +280,11 @@ def _write_gguf_from_hf(hf_dir: str, path: str, *, arch: str = "llama", quantize
             q = gguf.quants.quantize(g, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             deq = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(g.shape)
-            a = deq  # what the converter must reproduce (row permutation does not affect block quant)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                raise AssertionError("keep q/k unquantized in this helper")
+            a = deq  # what the converter must reproduce: blocks lie along rows, so Q/K rows unpermute whole
+            if name.endswith("q_proj.weight"):
+                a = gguf_mod.unpermute_qk_from_gguf(deq, cfg.num_attention_heads)
+            elif name.endswith("k_proj.weight"):
+                a = gguf_mod.unpermute_qk_from_gguf(deq, cfg.num_key_value_heads)
         else:
             w.add_tensor(gname, np.ascontiguousarray(g))
         expected[name] = torch.from_numpy(np.ascontiguousarray(a))
@@ -297,11 +300,17 @@ def test_synthetic_gguf_round_trip(tmp_path):
 
     src = save_dummy_hf_model(dummy_config(num_attention_heads=4, num_key_value_heads=2), str(tmp_path / "src"))
     gpath = str(tmp_path / "tiny.gguf")
-    expected = _write_gguf_from_hf(src, gpath, quantize=("model.layers.1.mlp.down_proj.weight",))
+    quantized = ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.self_attn.k_proj.weight")
+    expected = _write_gguf_from_hf(src, gpath, quantize=quantized)
 
     out = gguf_mod.convert_gguf_to_hf(gpath, str(tmp_path / "conv"))
     got = dict(iterate_weights(out))
     assert set(got) == set(expected)  # includes lm_head.weight (untied)
+    # Q8_0 tensors stay blocks (Q/K rows unpermuted as whole rows of blocks); dequantized, they are gguf-py's
+    assert {k for k, v in got.items() if isinstance(v, GGUFBlocks)} == set(quantized)
+    assert gguf_block_types(out) == dict.fromkeys(quantized, "Q8_0")
+    got = {k: v.dequantize() if isinstance(v, GGUFBlocks) else v for k, v in got.items()}
     for k in expected:
         assert got[k].shape == expected[k].shape, k
         assert torch.equal(got[k], expected[k]), k
@@ -321,7 +330,7 @@ def test_synthetic_gguf_round_trip(tmp_path):
     # rope scaling) holding the original (dequantized) weights
     ref = LlamaForCausalLM(cfg).eval()
     ref.load_state_dict({k: v for k, v in expected.items()}, strict=True)
-    conv = AutoModelForCausalLM.from_pretrained(out).eval()
+    conv = load_hf_reference(out)
     ids = torch.tensor([src_tok(s).input_ids])
     with torch.no_grad():
         torch.testing.assert_close(conv(ids).logits, ref(ids).logits.float(), rtol=1e-5, atol=1e-5)

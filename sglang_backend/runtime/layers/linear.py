@@ -12,6 +12,9 @@ Each layer holds only this rank's shard and knows how to cut it from a full (uns
 * Vocab-parallel: rows of the embedding split by token id (padded to a multiple of tp_size); out-of-shard
   ids give zeros and the all-reduce adds the one real row. The LM head gathers the logit columns.
 
+On the CPU a layer may keep GGUF blocks instead of a float weight (``keep_blocks``, see ``gguf_quant``): its
+``weight`` is then uint8 ``[rows, row_bytes]`` and ``forward`` multiplies by it with the block kernels.
+
 On the GPU a one-token input takes the Triton GEMV when the batch's kernel options say so (``opts.gemv_mode``):
 ``forward(x, opts)`` picks it by itself. The fused GEMV forms serve a decoder layer at batch 1:
 ``ColumnParallelLinear.norm_gemv`` folds the RMSNorm before it into its prologue (and SiLU-mul or rotary + KV
@@ -25,6 +28,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size, split_evenly
+from . import gguf_quant
 from .kernel_options import KernelOptions
 
 try:  # optional: triton (the GPU GEMV)
@@ -38,7 +42,20 @@ def _check_shape(full: torch.Tensor, expected: tuple) -> None:
         raise ValueError(f"has shape {tuple(full.shape)}, expected {tuple(expected)}")
 
 
-class ColumnParallelLinear(nn.Linear):
+class BlockWeight:
+    """Mixin: the layer's weight may be GGUF blocks (``gguf_type`` set) instead of floats."""
+    gguf_type: str | None = None
+
+    def keep_blocks(self, gguf_type: str) -> None:
+        """From now on ``weight`` holds ``gguf_type`` blocks (filled by load_full from GGUFBlocks rows)."""
+        rows, in_features = self.weight.shape
+        self.weight = nn.Parameter(torch.empty(rows, gguf_quant.row_bytes(gguf_type, in_features), dtype=torch.uint8),
+                                   requires_grad=False)
+        self.gguf_type = gguf_type
+        self.block_in_features = in_features
+
+
+class ColumnParallelLinear(BlockWeight, nn.Linear):
     """``parts``: the logical outputs fused into this matmul, as (full size, first row kept, rows kept)."""
 
     def __init__(self, in_features: int, parts: list[tuple[int, int, int]], bias: bool):
@@ -46,6 +63,8 @@ class ColumnParallelLinear(nn.Linear):
         self.parts = parts
 
     def forward(self, x: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
+        if self.gguf_type is not None:
+            return gguf_quant.matmul(x, self.weight, self.gguf_type, self.bias)
         if opts is not None and opts.use_gemv(x):
             return gemv(x, self.weight, self.bias, configs=opts.configs, pdl=opts.pdl)
         return super().forward(x)
@@ -81,7 +100,7 @@ class ColumnParallelLinear(nn.Linear):
         param.narrow(0, offset, n).copy_(full.narrow(0, start, n))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(BlockWeight, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, what: str = "in_features"):
         local = split_evenly(in_features, what)
         super().__init__(local, out_features, bias=bias)
@@ -90,6 +109,8 @@ class RowParallelLinear(nn.Linear):
         self.full_in = in_features
 
     def forward(self, x: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
+        if self.gguf_type is not None:  # kept only at tp_size 1 (CausalLM.keep_gguf_blocks)
+            return gguf_quant.matmul(x, self.weight, self.gguf_type, self.bias)
         if opts is not None and opts.use_gemv(x):
             if self.tp_size == 1:
                 return gemv(x, self.weight, self.bias, configs=opts.configs, pdl=opts.pdl)
@@ -103,20 +124,22 @@ class RowParallelLinear(nn.Linear):
     def add_into(self, residual: torch.Tensor, x: torch.Tensor, opts: KernelOptions) -> None:
         """One token: ``residual += self(x)`` in place, the add in the GEMV's epilogue (rounded as
         ``residual + out``) unless the output must be all-reduced first."""
-        if self.tp_size > 1:
+        if self.tp_size > 1 or self.gguf_type is not None:
             residual.add_(self.forward(x, opts))
         else:
             gemv(x, self.weight, self.bias, residual=residual, configs=opts.configs, pdl=opts.pdl)
 
     def full_shape(self, param: torch.Tensor) -> tuple:
-        return tuple(param.shape) if param is self.bias else (param.shape[0], self.full_in)
+        if param is self.bias or self.gguf_type is not None:  # blocks: tp_size 1, the whole row of bytes
+            return tuple(param.shape)
+        return (param.shape[0], self.full_in)
 
     def load_full(self, param: torch.Tensor, full: torch.Tensor, part: int | None = None) -> None:
         _check_shape(full, self.full_shape(param))
         param.copy_(full if param is self.bias else full.narrow(1, self.in_start, param.shape[1]))
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(BlockWeight, nn.Embedding):
     """Also the LM head's weight holder (``vocab_parallel_logits``): same row split, same padding."""
 
     def __init__(self, vocab_size: int, dim: int):
@@ -129,6 +152,8 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_end = min(self.vocab_start + per, vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_type is not None:  # kept only at tp_size 1
+            return gguf_quant.embedding(ids, self.weight, self.gguf_type, self.block_in_features)
         if self.tp_size == 1:
             return super().forward(ids)
         inside = (ids >= self.vocab_start) & (ids < self.vocab_end)
@@ -147,9 +172,12 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                          opts: KernelOptions | None = None) -> torch.Tensor:
-    """hidden @ weight.T over the full vocabulary, from this rank's vocab rows of ``weight``."""
-    if opts is not None and opts.use_gemv(hidden):
+                          opts: KernelOptions | None = None, gguf_type: str | None = None) -> torch.Tensor:
+    """hidden @ weight.T over the full vocabulary, from this rank's vocab rows of ``weight`` (GGUF blocks
+    of ``gguf_type`` when set)."""
+    if gguf_type is not None:
+        logits = gguf_quant.matmul(hidden, weight, gguf_type)
+    elif opts is not None and opts.use_gemv(hidden):
         logits = gemv(hidden.contiguous(), weight, configs=opts.configs, pdl=opts.pdl)
     else:
         logits = F.linear(hidden, weight)

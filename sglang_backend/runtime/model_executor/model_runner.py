@@ -10,7 +10,8 @@ from ..mem_cache.memory_pool import MHATokenToKVPool, MirroredReqToTokenPool, Re
 from ..distributed.followers import ReqToTokenWriteLog, TPFollowers, release_graphs
 from ..distributed.parallel_state import all_reduce_min, check_tp_config, kv_head_range, split_evenly
 from ..layers.kernel_options import KernelOptions
-from ..model_loader.loader import iterate_weights
+from ..layers import gguf_quant
+from ..model_loader.loader import gguf_block_types, iterate_weights
 from ..models.llama import LlamaForCausalLM, head_dim_of
 from ..models.registry import get_model_class
 from .cuda_graph_runner import CudaGraphRunner
@@ -55,6 +56,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         self.tp_rank = tp_rank
         self.tp_followers = None  # rank 0 of a tensor-parallel group: its handle on the other ranks
+        self.quantized_params: list[str] = []  # parameters kept as GGUF blocks (_keep_quantized)
         if server_args.tp_size > 1:
             self._init_tensor_parallel()
         self.context_len = server_args.context_length or int(getattr(self.text_config, "max_position_embeddings", 2048))
@@ -102,8 +104,9 @@ class ModelRunner:
             if self.server_args.load_format == "dummy":
                 model.init_dummy_weights(self.server_args.random_seed)
             else:
+                self.quantized_params = self._keep_quantized(model, model_dir)
                 model.load_weights(iterate_weights(model_dir))
-            self.model = model.to(device=self.device, dtype=self.dtype).eval()
+            self.model = model.to(device=self.device, dtype=self.dtype).eval()  # uint8 blocks stay uint8
         else:
             # Build the parameters directly on the GPU in the target dtype: no fp32 copy on the host.
             prev = torch.get_default_dtype()
@@ -120,6 +123,16 @@ class ModelRunner:
             self.model = model.to(self.device).eval()  # buffers made on the host (rope init) move too
         # The rope frequencies stay fp32 (HF keeps inv_freq in fp32 too).
         self.model.model.rotary_emb.inv_freq = self.model.model.rotary_emb.inv_freq.float()
+
+    def _keep_quantized(self, model, model_dir: str) -> list[str]:
+        """CPU, float32: the layers whose checkpoint weights are GGUF blocks keep them (``--quantization``)."""
+        if (self.server_args.quantization == "none" or self.dtype != torch.float32
+                or not hasattr(model, "keep_gguf_blocks")):
+            return []
+        block_types = gguf_block_types(model_dir)
+        if not block_types or not gguf_quant.kernels_available():
+            return []
+        return model.keep_gguf_blocks(block_types)
 
     def _init_dummy_weights(self, model) -> None:
         """Small models: the model's own seeded host init (same weights as on the CPU). Large ones: the same

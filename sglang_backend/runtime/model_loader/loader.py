@@ -34,6 +34,8 @@ __all__ = [
     "load_config",
     "check_supported",
     "iterate_weights",
+    "gguf_block_types",
+    "load_hf_reference",
     "load_tokenizer",
     "dummy_config",
     "save_dummy_hf_model",
@@ -214,18 +216,56 @@ def _weight_files(model_dir: str, ext: str, index_name: str) -> list[str]:
     return hf_files or files
 
 
+def gguf_block_types(model_dir: str) -> dict[str, str]:
+    """Tensor name -> GGUF type of the weights ``model_dir`` stores as GGUF blocks (a converted GGUF)."""
+    from safetensors import safe_open  # deferred, like every heavy import here (module docstring)
+    from ..layers.gguf_quant import read_block_types  # deferred: imports torch (module docstring)
+
+    types: dict[str, str] = {}
+    for fn in _weight_files(model_dir, ".safetensors", "model.safetensors.index.json"):
+        with safe_open(fn, framework="pt", device="cpu") as f:
+            types.update(read_block_types(f.metadata()))
+    return types
+
+
+def load_hf_reference(model_dir: str, dtype: "torch.dtype | None" = None):
+    """transformers' ``AutoModelForCausalLM`` for ``model_dir`` in eval mode (float32 by default), the reference
+    the equality tests compare with. Weights stored as GGUF blocks are dequantized as gguf-py does, which
+    ``from_pretrained`` cannot read."""
+    import torch  # deferred, like every heavy import here (module docstring)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from ..layers.gguf_quant import GGUFBlocks
+
+    dtype = dtype or torch.float32
+    if not gguf_block_types(model_dir):
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    state = {name: (t.dequantize() if isinstance(t, GGUFBlocks) else t).to(dtype)
+             for name, t in iterate_weights(model_dir)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{model_dir}: weights do not fit {type(model).__name__}: missing {sorted(missing)[:8]}, "
+                         f"unexpected {sorted(unexpected)[:8]}")
+    model.tie_weights()
+    return model.eval()
+
+
 def iterate_weights(model_dir: str) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Yield ``(hf_name, tensor)`` for every weight in ``model_dir``'s ``*.safetensors`` files, or,
     when there are none, its ``*.bin`` files (``torch.load(weights_only=True)``). Tensors keep their
-    stored dtype and live on CPU."""
+    stored dtype and live on CPU; a tensor stored as GGUF blocks comes as ``gguf_quant.GGUFBlocks``."""
     files = _weight_files(model_dir, ".safetensors", "model.safetensors.index.json")
     if files:
         from safetensors import safe_open  # deferred, like every heavy import here (module docstring)
+        from ..layers.gguf_quant import GGUFBlocks, read_block_types  # deferred: imports torch (docstring)
 
         for fn in files:
             with safe_open(fn, framework="pt", device="cpu") as f:
+                block_types = read_block_types(f.metadata())
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    tensor = f.get_tensor(name)
+                    yield name, GGUFBlocks(block_types[name], tensor) if name in block_types else tensor
         return
     files = _weight_files(model_dir, ".bin", "pytorch_model.bin.index.json")
     if not files:

@@ -10,8 +10,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..distributed.parallel_state import get_tp_size
+from ..layers import gguf_quant
 from ..layers.kernel_options import KernelOptions
-from ..layers.linear import VocabParallelEmbedding, vocab_parallel_logits
+from ..layers.linear import BlockWeight, VocabParallelEmbedding, vocab_parallel_logits
 
 
 class CausalLM(nn.Module):
@@ -28,15 +30,21 @@ class CausalLM(nn.Module):
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)  # used as a weight only
 
     @property
+    def output_embedding(self) -> VocabParallelEmbedding:
+        """The LM head's weight holder: the input embedding when tied."""
+        return self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return self.output_embedding.weight
 
     def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
         """Returns final hidden states [num_tokens, hidden]; logits are computed only where needed."""
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
-        logits = vocab_parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size, opts)
+        head = self.output_embedding
+        logits = vocab_parallel_logits(hidden, head.weight, self.config.vocab_size, opts, head.gguf_type)
         cap = self.final_logit_softcapping
         if cap:  # in the logits' dtype, as HF
             logits = torch.tanh(logits / cap) * cap
@@ -49,6 +57,33 @@ class CausalLM(nn.Module):
     }
     # Expert weights: gate / up / down of expert E, as Qwen3-MoE and Mixtral checkpoints name them.
     _expert_parts = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+
+    def keep_gguf_blocks(self, block_types: dict[str, str]) -> list[str]:
+        """Linear layers and embeddings whose checkpoint tensors are all GGUF blocks of one kernel-supported
+        type keep them as blocks (``block_types``: checkpoint name -> GGUF type, from ``iterate_weights``'s
+        files). Tensor parallelism and the rest dequantize at load. Returns the parameters that keep blocks."""
+        if get_tp_size() != 1:
+            return []
+        params = dict(self.named_parameters())
+        pieces = self._expected_pieces(params)
+        types_by_target: dict[str, dict[object, str]] = {}
+        for name, gguf_type in block_types.items():
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, shard = self._checkpoint_target(name)
+            types_by_target.setdefault(target, {})[shard] = gguf_type
+        kept = []
+        for target, by_shard in types_by_target.items():
+            owner = self._owner(target) if target in params else None
+            types = set(by_shard.values())
+            shards = {f"{target}#{s}" if s is not None else target for s in by_shard}
+            expected = {p for p in pieces if p == target or p.startswith(target + "#")}
+            if (not isinstance(owner, BlockWeight) or not target.endswith(".weight") or len(types) != 1
+                    or shards != expected or not gguf_quant.can_keep(next(iter(types)), params[target].shape[1])):
+                continue
+            owner.keep_blocks(types.pop())
+            kept.append(target)
+        return kept
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -106,6 +141,8 @@ class CausalLM(nn.Module):
         """Copies this rank's shard of the full (unsharded) tensor into ``param``; ``part`` picks q/k/v or
         gate/up inside a fused parameter, or (expert, kind) (None: the fused tensor itself)."""
         owner = self._owner(target)
+        if isinstance(full, gguf_quant.GGUFBlocks):  # kept as blocks (keep_gguf_blocks) or dequantized here
+            full = full.data if param.dtype == torch.uint8 else full.dequantize()
         if hasattr(owner, "load_full"):  # the tensor-parallel layers cut their shard
             owner.load_full(param, full, part)
         elif param.shape != full.shape:  # norms: replicated

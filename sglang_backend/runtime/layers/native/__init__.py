@@ -1,0 +1,99 @@
+"""The project's small C kernels (the ``*.c`` files next to this module), compiled on first use and cached.
+
+``load(name)`` compiles ``<name>.c`` into ``<cache root>/kernels/<name>-<hash>.so`` with the system C compiler
+(``$CC``, else ``cc``) and returns it as a ``ctypes.CDLL``; the hash covers the source, the flags and the
+compiler's version, so an edited kernel or a new compiler builds afresh. Builds are serialized across
+processes by a file lock and renamed into place when finished. A compile takes about a second; no torch
+headers are involved.
+
+Returns None (and logs why, once) when the kernels cannot run here: a CPU without AVX2/FMA/F16C, no C
+compiler, or a failed build. Callers then take their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+from .... import environ
+
+logger = logging.getLogger(__name__)
+
+# -ffp-contract=off: a multiply and an add stay two roundings (the reference dequantizes that way).
+# -fopenmp links libgomp.so.1, the soname torch's own copy has, so the already-loaded one is reused.
+CFLAGS = ("-O3", "-std=gnu11", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+_REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compiler() -> str | None:
+    return environ.CC.get() or shutil.which("cc") or shutil.which("gcc")
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def kernels_dir() -> str:
+    return os.path.join(environ.cache_root(), "kernels")
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        logger.info("native kernels off: this CPU lacks %s", ", ".join(missing))
+        return None
+    cc = _compiler()
+    if cc is None:
+        logger.warning("native kernels off: no C compiler found (set $CC or install gcc); using the torch path")
+        return None
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.c")
+    with open(src, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _compiler_version(cc).encode()).hexdigest()[:16]
+    out_dir = kernels_dir()
+    os.makedirs(out_dir, exist_ok=True)
+    target = os.path.join(out_dir, f"{name}-{key}.so")
+    with open(target + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same file
+        if not os.path.exists(target):
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+            os.close(fd)
+            try:
+                proc = subprocess.run([cc, *CFLAGS, src, "-o", tmp], capture_output=True, text=True, timeout=300)
+                error = proc.stderr[-2000:] if proc.returncode != 0 else None
+            except (OSError, subprocess.SubprocessError) as exc:  # $CC missing or hung
+                error = str(exc)
+            if error is not None:
+                os.unlink(tmp)
+                logger.warning("native kernels off: compiling %s with %s failed; using the torch path\n%s",
+                               src, cc, error)
+                return None
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)
+    try:
+        return ctypes.CDLL(target)
+    except OSError as exc:
+        logger.warning("native kernels off: loading %s failed: %s", target, exc)
+        return None

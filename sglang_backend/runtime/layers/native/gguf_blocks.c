@@ -1,0 +1,176 @@
+/* CPU matmuls over GGUF block-quantized weights, dequantized on the fly (AVX2 + FMA + F16C, OpenMP).
+ *
+ * A weight of N rows x K columns is stored as llama.cpp stores it: each row is K/32 blocks, one block holding
+ * 32 consecutive columns:
+ *   Q4_0: fp16 d, 16 bytes of nibbles          w = d * (q - 8)     (18 bytes)
+ *   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles  w = d * q + m       (20 bytes)
+ *   Q8_0: fp16 d, 32 int8                      w = d * q           (34 bytes)
+ * Nibble j of the 16 bytes holds column j (low half of byte j) and column j + 16 (high half).
+ *
+ * Activations stay float32 (llama.cpp quantizes them to 8 bits; we do not, so the result equals a float32
+ * matmul with the dequantized weight up to summation order). Each weight is rounded exactly as gguf-py's
+ * dequantize rounds it (d * q, then + m: built with -ffp-contract=off so the two are not fused).
+ *
+ * Threads: OpenMP over output rows. The library links libgomp.so.1, which resolves to the copy torch has
+ * already loaded, so torch's intra-op pool and ours are one pool.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <omp.h>
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
+
+static inline float half_to_float(const uint8_t *p) { return _cvtsh_ss((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* One block as four vectors of 8 float32 weights (columns 0-7, 8-15, 16-23, 24-31). */
+static inline __attribute__((always_inline)) void decode_block(int type, const uint8_t *b, __m256 w[4]) {
+    if (type == GGML_Q8_0) {
+        const __m256 d = _mm256_set1_ps(half_to_float(b));
+        for (int i = 0; i < 4; i++) {
+            __m128i q8 = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i));
+            w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
+        }
+        return;
+    }
+    const int has_min = type == GGML_Q4_1;
+    const __m256 d = _mm256_set1_ps(half_to_float(b));
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + (has_min ? 4 : 2)));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(qs, low4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+    __m256 q[4] = {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))),
+    };
+    if (has_min) {
+        const __m256 m = _mm256_set1_ps(half_to_float(b + 2));
+        for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(q[i], d), m);
+    } else {
+        const __m256 eight = _mm256_set1_ps(8.0f);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(_mm256_sub_ps(q[i], eight), d);
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static int block_bytes(int type) {
+    switch (type) {
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* y[n] = x . w[n] for one activation row: decode and multiply in registers, no buffer. */
+static inline __attribute__((always_inline)) void gemv_rows(int type, const float *x, int64_t K, const uint8_t *w,
+                                                            int64_t n0, int64_t n1, float *y) {
+    const int bb = block_bytes(type);
+    const int64_t nb = K / 32, row_bytes = nb * bb;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t b = 0; b < nb; b++) {
+            __m256 wv[4];
+            decode_block(type, row + b * bb, wv);
+            const float *xb = x + b * 32;
+            for (int i = 0; i < 4; i++) acc[i] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + 8 * i), acc[i]);
+        }
+        y[n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    }
+}
+
+static inline __attribute__((always_inline)) void decode_row(int type, const uint8_t *row, int64_t K, float *out) {
+    const int bb = block_bytes(type);
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m256 wv[4];
+        decode_block(type, row + b * bb, wv);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * 32 + 8 * i, wv[i]);
+    }
+}
+
+/* Several activation rows: two weight rows are decoded into a buffer, then 4 activation rows x 2 weight rows
+ * are accumulated at once (8 independent FMA chains; each loaded vector feeds 2 or 4 FMAs). */
+static inline __attribute__((always_inline)) void gemm_rows(int type, const float *x, int64_t M, int64_t K,
+                                                            const uint8_t *w, int64_t N, int64_t n0, int64_t n1,
+                                                            float *y, float *buf) {
+    const int64_t row_bytes = K / 32 * block_bytes(type);
+    for (int64_t n = n0; n < n1; n += 2) {
+        const int64_t n_b = n + 1 < n1 ? n + 1 : n; /* an odd last row is computed twice, stored once */
+        decode_row(type, w + n * row_bytes, K, buf);
+        decode_row(type, w + n_b * row_bytes, K, buf + K);
+        for (int64_t m = 0; m < M; m += 4) {
+            const float *xr[4];
+            for (int r = 0; r < 4; r++) xr[r] = x + (m + r < M ? m + r : M - 1) * K; /* tail rows repeat */
+            __m256 a[4][2];
+            for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k += 8) {
+                const __m256 w0 = _mm256_loadu_ps(buf + k), w1 = _mm256_loadu_ps(buf + K + k);
+                for (int r = 0; r < 4; r++) {
+                    const __m256 xv = _mm256_loadu_ps(xr[r] + k);
+                    a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+                }
+            }
+            for (int r = 0; r < 4 && m + r < M; r++) {
+                y[(m + r) * N + n] = hsum(a[r][0]);
+                if (n_b != n) y[(m + r) * N + n_b] = hsum(a[r][1]);
+            }
+        }
+    }
+}
+
+/* Rows are split into per-thread ranges of whole 8-row groups (so two threads never share a cache line of y
+ * at M == 1). Returns 0, or -1 for an unknown type or a K that is not a multiple of 32. */
+int gguf_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
+                int threads) {
+    if (block_bytes(type) == 0 || K % 32 != 0) return -1;
+    const int64_t groups = (N + 7) / 8;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t n0 = groups * t / nt * 8, n1_raw = groups * (t + 1) / nt * 8;
+        const int64_t n1 = n1_raw < N ? n1_raw : N;
+        if (n0 < n1) {
+            if (M == 1) {
+                switch (type) { /* constant type per call: each case is its own specialised loop */
+                case GGML_Q4_0: gemv_rows(GGML_Q4_0, x, K, w, n0, n1, y); break;
+                case GGML_Q4_1: gemv_rows(GGML_Q4_1, x, K, w, n0, n1, y); break;
+                default: gemv_rows(GGML_Q8_0, x, K, w, n0, n1, y); break;
+                }
+            } else {
+                float *buf = (float *)aligned_alloc(64, (size_t)(2 * K) * sizeof(float));
+                switch (type) {
+                case GGML_Q4_0: gemm_rows(GGML_Q4_0, x, M, K, w, N, n0, n1, y, buf); break;
+                case GGML_Q4_1: gemm_rows(GGML_Q4_1, x, M, K, w, N, n0, n1, y, buf); break;
+                default: gemm_rows(GGML_Q8_0, x, M, K, w, N, n0, n1, y, buf); break;
+                }
+                free(buf);
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[i] = dequantized row ids[i] of w (an embedding lookup); ids == NULL: rows 0..n-1 (the whole weight). */
+int gguf_dequantize_rows(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out,
+                         int threads) {
+    if (block_bytes(type) == 0 || K % 32 != 0) return -1;
+    const int64_t row_bytes = K / 32 * block_bytes(type);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = w + (ids ? ids[i] : i) * row_bytes;
+        switch (type) {
+        case GGML_Q4_0: decode_row(GGML_Q4_0, row, K, out + i * K); break;
+        case GGML_Q4_1: decode_row(GGML_Q4_1, row, K, out + i * K); break;
+        default: decode_row(GGML_Q8_0, row, K, out + i * K); break;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,113 @@
+"""GGUF block weights kept as blocks: the native kernels against gguf-py's dequantization on fresh random
+inputs, the loader's choice of which layers keep blocks, and the converted embedded model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sglang_backend.runtime.layers import gguf_quant, native
+from sglang_backend.runtime.model_loader.loader import gguf_block_types
+from sglang_backend.runtime.server_args import ServerArgs
+from tests.conftest import make_engine
+
+needs_kernels = pytest.mark.skipif(not gguf_quant.kernels_available(), reason="native kernels do not build here")
+TYPES = list(gguf_quant.FORMATS)
+
+
+@needs_kernels
+@pytest.mark.parametrize("gguf_type", TYPES)
+@pytest.mark.parametrize("rows,in_features", [(37, 64), (300, 576), (64, 1536)])
+def test_matmul_equals_dequantized_reference(gguf_type, rows, in_features):
+    gen = torch.Generator().manual_seed(rows * 7 + in_features)
+    blocks = gguf_quant.quantize(torch.randn(rows, in_features, generator=gen), gguf_type)
+    reference = gguf_quant._reference_dequantize(blocks, gguf_type, in_features)
+    # Each weight rounds exactly as gguf-py's dequantize.
+    assert torch.equal(gguf_quant.dequantize(blocks, gguf_type, in_features), reference)
+    bias = torch.randn(rows, generator=gen)
+    # 1 row (the fused GEMV), 2-17 (the 4 x 2 tiles, with tails), above MAX_NATIVE_ROWS (dequantize + sgemm)
+    for m in (1, 2, 3, 5, 17, gguf_quant.MAX_NATIVE_ROWS + 3):
+        x = torch.randn(m, in_features, generator=gen)
+        want = x @ reference.T
+        got = gguf_quant.matmul(x, blocks, gguf_type)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * max(1.0, want.abs().max().item()))
+        torch.testing.assert_close(gguf_quant.matmul(x, blocks, gguf_type, bias), want + bias, rtol=1e-5,
+                                   atol=1e-4 * max(1.0, want.abs().max().item()))
+    # leading batch dims are kept
+    x3 = torch.randn(2, 3, in_features, generator=gen)
+    assert gguf_quant.matmul(x3, blocks, gguf_type).shape == (2, 3, rows)
+
+
+@needs_kernels
+def test_embedding_rows_and_bad_ids():
+    blocks = gguf_quant.quantize(torch.randn(50, 64), "Q8_0")
+    reference = gguf_quant._reference_dequantize(blocks, "Q8_0", 64)
+    ids = torch.tensor([[3, 0], [49, 3]])
+    assert torch.equal(gguf_quant.embedding(ids, blocks, "Q8_0", 64), reference[ids])
+    with pytest.raises(IndexError, match="out of range"):
+        gguf_quant.embedding(torch.tensor([50]), blocks, "Q8_0", 64)
+
+
+def test_kernels_off_without_a_compiler(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SGLANG_BACKEND_CACHE", str(tmp_path))
+    with caplog.at_level("WARNING"):
+        assert native.load.__wrapped__("gguf_blocks") is None
+    if "avx2" in native.cpu_flags():
+        assert "native kernels off" in caplog.text
+
+
+def test_quantization_choice_is_checked():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        ServerArgs(quantization="q4")
+
+
+@needs_kernels
+def test_quantized_layers_keep_blocks_and_match_dequantized_load(tiny_quantized_dir):
+    """Every layer whose checkpoint pieces share one block type keeps blocks; layer 1's qkv (q Q4_1, k Q8_0)
+    and the float norms do not. --quantization none dequantizes everything: same greedy tokens, logprobs within
+    1e-4."""
+    types = gguf_block_types(tiny_quantized_dir)
+    assert types["model.layers.1.self_attn.k_proj.weight"] == "Q8_0"
+    prompts = [[5, 9, 200, 31, 7] * k for k in (1, 3, 7)]
+    params = {"max_new_tokens": 12, "temperature": 0}
+    outs = {}
+    for quantization in ("auto", "none"):
+        engine = make_engine(tiny_quantized_dir, quantization=quantization)
+        try:
+            runner = engine.scheduler.model_runner
+            if quantization == "auto":
+                assert "model.layers.1.self_attn.qkv_proj.weight" not in runner.quantized_params
+                assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                        "model.embed_tokens.weight", "lm_head.weight"} <= set(runner.quantized_params)
+                layer0 = runner.model.model.layers[0]
+                assert layer0.self_attn.qkv_proj.weight.dtype == torch.uint8
+                assert layer0.self_attn.qkv_proj.gguf_type == "Q4_1"
+            else:
+                assert runner.quantized_params == []
+            outs[quantization] = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
+                                                 logprob_start_len=0)
+            engine.check_pool_whole()
+        finally:
+            engine.shutdown()
+    for q, d in zip(outs["auto"], outs["none"]):
+        assert q["output_ids"] == d["output_ids"]
+        for (a, _, _), (b, _, _) in zip(q["meta_info"]["input_token_logprobs"][1:],
+                                        d["meta_info"]["input_token_logprobs"][1:]):
+            assert abs(a - b) < 1e-4
+
+
+@needs_kernels
+def test_converted_embedded_model_keeps_its_blocks(smollm_dir):
+    """The embedded SmolLM2 GGUF (Q4_1 linears, Q8_0 embedding) converts to a directory about its own size,
+    with every linear and the embedding stored as blocks."""
+    from sglang_backend.runtime.model_loader.embedded import embedded_gguf_path
+
+    types = gguf_block_types(smollm_dir)
+    assert types["model.embed_tokens.weight"] == "Q8_0"
+    linears = [n for n in types if ".layers." in n]
+    assert len(linears) == 30 * 7 and {types[n] for n in linears} == {"Q4_1"}
+    size = sum(os.path.getsize(os.path.join(smollm_dir, f)) for f in os.listdir(smollm_dir))
+    assert size <= 1.1 * os.path.getsize(embedded_gguf_path())
