@@ -69,6 +69,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "GPU: do not overlap the host work of a decode step with the next step's GPU work"})
     disable_cascade_attention: bool = field(default=False, metadata={"help": "Triton decode: attend each request's whole KV, not the batch's shared prefix once"})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model over this many GPUs (or CPU processes, gloo)"})
+    disable_native_cpu_kernels: bool = field(default=False, metadata={"help": "CPU: torch ops instead of the C kernels compiled on first use (layers/native: decode attention read in place from the KV pool, matmuls over GGUF blocks, which are then dequantized at load); ablation"})
     disable_fused_ops: bool = field(default=False, metadata={"help": "GPU: the plain torch reference modules instead of the fused Triton kernels in the layers (RMSNorm + residual add, rotary + KV store, SiLU-mul, batch-1 GEMV); ablation"})
     gemv_mode: str = field(default="auto", metadata={"help": "GPU, one-token batches: off (cuBLAS), on (Triton GEMV), fused (norm prologue, SiLU-mul / residual-add epilogues), fused_rope (fused + rotary and KV store in the qkv GEMV); auto: fused_rope on Hopper and newer, else off", "choices": GEMV_MODES})
     disable_pdl: bool = field(default=False, metadata={"help": "GPU: no programmatic dependent launch (it is used on Hopper and newer when Triton supports it)"})

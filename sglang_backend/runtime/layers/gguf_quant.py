@@ -13,7 +13,6 @@ gguf-py dequantizes them, and the layer is the plain float one.
 
 from __future__ import annotations
 
-import ctypes
 import json
 from dataclasses import dataclass
 
@@ -58,24 +57,8 @@ def read_block_types(metadata: dict[str, str] | None) -> dict[str, str]:
     return json.loads((metadata or {}).get(GGUF_TYPES_METADATA, "{}"))
 
 
-@dataclass
-class _Kernels:
-    matmul: ctypes._CFuncPtr
-    dequantize_rows: ctypes._CFuncPtr
-
-
-def _kernels() -> _Kernels | None:
-    lib = native.load("gguf_blocks")
-    if lib is None:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.gguf_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.gguf_dequantize_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, ctypes.c_int]
-    return _Kernels(lib.gguf_matmul, lib.gguf_dequantize_rows)
-
-
 def kernels_available() -> bool:
-    return _kernels() is not None
+    return native.kernels() is not None
 
 
 def _reference_dequantize(blocks: torch.Tensor, gguf_type: str, in_features: int) -> torch.Tensor:
@@ -88,7 +71,7 @@ def _reference_dequantize(blocks: torch.Tensor, gguf_type: str, in_features: int
 
 def dequantize(blocks: torch.Tensor, gguf_type: str, in_features: int, ids: torch.Tensor | None = None) -> torch.Tensor:
     """float32 rows of a block weight (all of them, or ``ids``), rounded as gguf-py's dequantize rounds."""
-    kernels = _kernels()
+    kernels = native.kernels()
     if kernels is None:
         full = _reference_dequantize(blocks, gguf_type, in_features)
         return full if ids is None else full[ids]
@@ -99,7 +82,7 @@ def dequantize(blocks: torch.Tensor, gguf_type: str, in_features: int, ids: torc
             raise IndexError(f"row id out of range for a weight of {blocks.shape[0]} rows")
     n = blocks.shape[0] if ids is None else ids.numel()
     out = torch.empty(n, in_features, dtype=torch.float32)
-    kernels.dequantize_rows(FORMATS[gguf_type][0], blocks.data_ptr(), in_features,
+    kernels.gguf_dequantize_rows(FORMATS[gguf_type][0], blocks.data_ptr(), in_features,
                             None if ids is None else ids.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -110,11 +93,11 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, gguf_type: str, bias: torch.Te
     rows = x.numel() // in_features if in_features else 0
     if rows > MAX_NATIVE_ROWS or x.dtype != torch.float32:
         return F.linear(x, dequantize(blocks, gguf_type, in_features).to(x.dtype), bias)
-    kernels = _kernels()
+    kernels = native.kernels()
     x2 = x.reshape(rows, in_features).contiguous()
     out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
     if rows:
-        kernels.matmul(FORMATS[gguf_type][0], x2.data_ptr(), rows, in_features, blocks.data_ptr(),
+        kernels.gguf_matmul(FORMATS[gguf_type][0], x2.data_ptr(), rows, in_features, blocks.data_ptr(),
                        blocks.shape[0], out.data_ptr(), torch.get_num_threads())
     if bias is not None:
         out += bias

@@ -1,9 +1,11 @@
-"""Which GPU kernels a forward pass uses, and their tuned launch configurations: one small object, resolved once
+"""Which kernels a forward pass uses, and their tuned launch configurations: one small object, resolved once
 from ``ServerArgs`` by the model runner and handed to the layers and the attention backend with every batch
 (``ForwardBatch.kernel_options``). Nothing here is read from the environment or from module globals.
 
 * ``fused_ops``: Triton kernels inside the layers (RMSNorm with the residual add, rotary + KV store, SiLU-mul);
   off: the exact torch reference modules (always so on the CPU);
+* ``native_cpu``: the C kernels of ``layers/native`` on the CPU (RMSNorm, decode attention read in place from
+  the pool, matmuls over GGUF blocks), unless ``--disable-native-cpu-kernels`` or they do not build here;
 * ``gemv_mode``: one-token batches (decode at batch 1) through the Triton GEMV: ``off`` (cuBLAS), ``on`` (GEMV,
   norms and SiLU-mul separate), ``fused`` (the RMSNorm in the GEMV's prologue, SiLU-mul and the residual add in
   its epilogues), ``fused_rope`` (``fused`` plus rotary and the KV store in the qkv GEMV's epilogue, with
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..server_args import ATTENTION_MERGES, GEMV_MODES
+from . import native
 CONFIG_DIR = pathlib.Path(__file__).parent / "attention" / "triton_ops" / "configs"
 
 try:  # optional: triton (GPU kernels); without it every fused kernel is off
@@ -125,6 +128,7 @@ class KernelOptions:
     reference whatever the flags say (the layers themselves look only at these options)."""
 
     fused_ops: bool = False
+    native_cpu: bool = False  # the CPU's C kernels (layers/native): RMSNorm, decode attention, GGUF matmuls
     gemv_mode: str = "off"  # resolved: off, on, fused or fused_rope
     pdl: bool = False
     attention_merge: str = "fused"
@@ -149,8 +153,9 @@ class KernelOptions:
 
     @classmethod
     def resolve(cls, server_args, device) -> "KernelOptions":
-        """From ``ServerArgs`` (gemv_mode, disable_fused_ops, disable_pdl, attention_merge, kernel_config) and
-        the device: everything off on the CPU or without triton; ``auto`` GEMV mode by compute capability."""
+        """From ``ServerArgs`` (gemv_mode, disable_fused_ops, disable_pdl, attention_merge, kernel_config,
+        disable_native_cpu_kernels) and the device: the Triton kernels off on the CPU or without triton, the C
+        kernels on on the CPU when they build; ``auto`` GEMV mode by compute capability."""
         dev = torch.device(device)
         on_gpu = dev.type == "cuda" and HAVE_TRITON
         fused = on_gpu and not server_args.disable_fused_ops
@@ -159,7 +164,8 @@ class KernelOptions:
             mode = "off"
         elif mode == "auto":
             mode = "fused_rope" if torch.cuda.get_device_capability(dev.index or 0)[0] >= 9 else "off"
-        return cls(fused_ops=fused, gemv_mode=mode, pdl=on_gpu and not server_args.disable_pdl,
+        native_cpu = dev.type == "cpu" and not server_args.disable_native_cpu_kernels and native.kernels() is not None
+        return cls(fused_ops=fused, native_cpu=native_cpu, gemv_mode=mode, pdl=on_gpu and not server_args.disable_pdl,
                    attention_merge=server_args.attention_merge,
                    configs=load_kernel_configs(dev, server_args.kernel_config) if on_gpu else KernelConfigs())
 

@@ -1,5 +1,6 @@
 """RMSNorm, optionally with the residual add before it (``forward(x, residual)``), as one Triton kernel on the GPU
-when the batch's kernel options turn fused ops on, else HF's reference arithmetic in torch; and Gemma's ``(1 + w)``
+when the batch's kernel options turn fused ops on, one C kernel on the CPU when they turn ``native_cpu`` on (float32),
+else HF's reference arithmetic in torch; and Gemma's ``(1 + w)``
 variant (``GemmaRMSNorm``, torch only); ``head_rmsnorm`` normalises each head of q and k (Qwen3)."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import native
 from .kernel_options import KernelOptions
 
 try:  # optional: triton (the fused GPU kernels)
@@ -30,10 +32,22 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return fused_ops.rmsnorm(x, self.weight, self.eps, pdl=opts.pdl)
             return fused_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps, pdl=opts.pdl), residual
+        if opts is not None and opts.native_cpu and x.dtype == torch.float32:
+            return self._native(x, residual)
         if residual is None:
             return self._reference(x)
         residual = residual + x
         return self._reference(residual), residual
+
+    def _native(self, x: torch.Tensor, residual: torch.Tensor | None):
+        x = x.contiguous()
+        if residual is not None:  # a new tensor, as the reference's residual + x (the kernel adds in place)
+            residual = residual.clone(memory_format=torch.contiguous_format)
+        out = torch.empty_like(x)
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        native.kernels().rmsnorm(x.data_ptr(), None if residual is None else residual.data_ptr(), self.weight.data_ptr(),
+                                 rows, x.shape[-1], self.eps, out.data_ptr(), torch.get_num_threads())
+        return out if residual is None else (out, residual)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -10,7 +10,6 @@ from ..mem_cache.memory_pool import MHATokenToKVPool, MirroredReqToTokenPool, Re
 from ..distributed.followers import ReqToTokenWriteLog, TPFollowers, release_graphs
 from ..distributed.parallel_state import all_reduce_min, check_tp_config, kv_head_range, split_evenly
 from ..layers.kernel_options import KernelOptions
-from ..layers import gguf_quant
 from ..model_loader.loader import gguf_block_types, iterate_weights
 from ..models.llama import LlamaForCausalLM, head_dim_of
 from ..models.registry import get_model_class
@@ -126,11 +125,11 @@ class ModelRunner:
 
     def _keep_quantized(self, model, model_dir: str) -> list[str]:
         """CPU, float32: the layers whose checkpoint weights are GGUF blocks keep them (``--quantization``)."""
-        if (self.server_args.quantization == "none" or self.dtype != torch.float32
-                or not hasattr(model, "keep_gguf_blocks")):
+        if (self.server_args.quantization == "none" or not self.kernel_options.native_cpu
+                or self.dtype != torch.float32 or not hasattr(model, "keep_gguf_blocks")):
             return []
         block_types = gguf_block_types(model_dir)
-        if not block_types or not gguf_quant.kernels_available():
+        if not block_types:
             return []
         return model.keep_gguf_blocks(block_types)
 
@@ -198,7 +197,7 @@ class ModelRunner:
         if name == "torch_native":
             from ..layers.attention.torch_native import TorchNativeAttnBackend  # each backend only when chosen
 
-            self.attn_backend = TorchNativeAttnBackend()
+            self.attn_backend = TorchNativeAttnBackend(native_kernels=self.kernel_options.native_cpu)
         elif name == "triton":
             from ..layers.attention.triton_backend import TritonAttnBackend  # optional: triton
 

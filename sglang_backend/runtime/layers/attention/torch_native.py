@@ -1,5 +1,6 @@
 """Reference attention over the paged KV pool with torch SDPA. Exact on CPU; the GPU kernels are checked
-against it.
+against it. On the CPU (``native``), float32 decode steps run ``native/paged_attention.c`` instead, which reads
+K and V in place from the pool rather than gathering a padded copy per layer (same arithmetic, fp32).
 
 Sliding-window layers (``layer.sliding_window`` W) mask every key outside the last W positions up to the query
 (HF's rule, see layers/radix_attention.py); layers with a ``logit_cap`` run HF's eager arithmetic (scores scaled,
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import native
 from .base import AttentionBackend
 
 
@@ -42,10 +44,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, native_kernels: bool = False):
+        kernels = native.kernels() if native_kernels else None
+        self.native_decode = kernels.paged_decode_attention if kernels is not None else None
+
     def init_forward_metadata(self, fb) -> None:
         self.kv_slots = []  # per request: KV slots of all its tokens (prefix + new)
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices]
-        if fb.forward_mode.is_decode():
+        if fb.forward_mode.is_decode() and self.native_decode is not None and rows.device.type == "cpu":
+            self.decode_rows = rows.contiguous()  # [bs, max context]: each request's slots, read in place
+            self.decode_seq_lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
+            self.decode_slots = None
+        elif fb.forward_mode.is_decode():
             # Batched decode: pad every request's slot list to the longest, mask the padding out.
             max_len = max(fb.seq_lens_cpu)
             self.decode_seq_lens = torch.tensor(fb.seq_lens_cpu, device=rows.device)
@@ -90,9 +100,23 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
                                v.view(-1, layer.num_kv_heads, layer.head_dim))
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        if self.decode_slots is None:
+            return self._native_forward_decode(q, k_buf, v_buf, layer)
         q = q.view(-1, layer.num_heads, 1, layer.head_dim)  # [bs, H, 1, D]
         keys = k_buf[self.decode_slots].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]
         values = v_buf[self.decode_slots].transpose(1, 2).to(q.dtype)
         mask = self._decode_mask(layer.sliding_window)[:, None, None, :]
         out = attend(q, keys, values, mask, layer)
+        return out.reshape(-1, layer.num_heads * layer.head_dim)
+
+    def _native_forward_decode(self, q, k_buf, v_buf, layer):
+        if q.dtype != torch.float32 or k_buf.dtype != torch.float32:
+            raise TypeError("the native decode attention runs float32 only (the CPU's dtype)")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        rows = self.decode_rows
+        self.native_decode(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), rows.shape[1],
+                           self.decode_seq_lens.data_ptr(), rows.shape[0], layer.num_heads, layer.num_kv_heads,
+                           layer.head_dim, layer.scaling, layer.logit_cap or 0.0, layer.sliding_window or 0,
+                           out.data_ptr(), torch.get_num_threads())
         return out.reshape(-1, layer.num_heads * layer.head_dim)

@@ -11,13 +11,12 @@
  * matmul with the dequantized weight up to summation order). Each weight is rounded exactly as gguf-py's
  * dequantize rounds it (d * q, then + m: built with -ffp-contract=off so the two are not fused).
  *
- * Threads: OpenMP over output rows. The library links libgomp.so.1, which resolves to the copy torch has
- * already loaded, so torch's intra-op pool and ours are one pool.
+ * Threads: output rows are split over the pool's workers (thread_pool.c).
  */
+#include "native.h"
+
 #include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <omp.h>
 
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
 
@@ -126,51 +125,71 @@ static inline __attribute__((always_inline)) void gemm_rows(int type, const floa
     }
 }
 
-/* Rows are split into per-thread ranges of whole 8-row groups (so two threads never share a cache line of y
- * at M == 1). Returns 0, or -1 for an unknown type or a K that is not a multiple of 32. */
+struct matmul_job {
+    int type;
+    const float *x;
+    int64_t M, K, N;
+    const uint8_t *w;
+    float *y;
+};
+
+/* Rows [8 * g0, 8 * g1): whole 8-row groups, so two threads never share a cache line of y at M == 1. */
+static void matmul_part(void *arg, int64_t g0, int64_t g1) {
+    const struct matmul_job *j = (const struct matmul_job *)arg;
+    const int64_t n0 = g0 * 8, n1 = g1 * 8 < j->N ? g1 * 8 : j->N;
+    if (j->M == 1) {
+        switch (j->type) { /* constant type per call: each case is its own specialised loop */
+        case GGML_Q4_0: gemv_rows(GGML_Q4_0, j->x, j->K, j->w, n0, n1, j->y); break;
+        case GGML_Q4_1: gemv_rows(GGML_Q4_1, j->x, j->K, j->w, n0, n1, j->y); break;
+        default: gemv_rows(GGML_Q8_0, j->x, j->K, j->w, n0, n1, j->y); break;
+        }
+        return;
+    }
+    float *buf = (float *)aligned_alloc(64, (size_t)(2 * j->K) * sizeof(float));
+    if (!buf) abort();
+    switch (j->type) {
+    case GGML_Q4_0: gemm_rows(GGML_Q4_0, j->x, j->M, j->K, j->w, j->N, n0, n1, j->y, buf); break;
+    case GGML_Q4_1: gemm_rows(GGML_Q4_1, j->x, j->M, j->K, j->w, j->N, n0, n1, j->y, buf); break;
+    default: gemm_rows(GGML_Q8_0, j->x, j->M, j->K, j->w, j->N, n0, n1, j->y, buf); break;
+    }
+    free(buf);
+}
+
+/* y[M, N] = x[M, K] @ w^T. Returns 0, or -1 for an unknown type or a K that is not a multiple of 32. */
 int gguf_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                 int threads) {
     if (block_bytes(type) == 0 || K % 32 != 0) return -1;
-    const int64_t groups = (N + 7) / 8;
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t n0 = groups * t / nt * 8, n1_raw = groups * (t + 1) / nt * 8;
-        const int64_t n1 = n1_raw < N ? n1_raw : N;
-        if (n0 < n1) {
-            if (M == 1) {
-                switch (type) { /* constant type per call: each case is its own specialised loop */
-                case GGML_Q4_0: gemv_rows(GGML_Q4_0, x, K, w, n0, n1, y); break;
-                case GGML_Q4_1: gemv_rows(GGML_Q4_1, x, K, w, n0, n1, y); break;
-                default: gemv_rows(GGML_Q8_0, x, K, w, n0, n1, y); break;
-                }
-            } else {
-                float *buf = (float *)aligned_alloc(64, (size_t)(2 * K) * sizeof(float));
-                switch (type) {
-                case GGML_Q4_0: gemm_rows(GGML_Q4_0, x, M, K, w, N, n0, n1, y, buf); break;
-                case GGML_Q4_1: gemm_rows(GGML_Q4_1, x, M, K, w, N, n0, n1, y, buf); break;
-                default: gemm_rows(GGML_Q8_0, x, M, K, w, N, n0, n1, y, buf); break;
-                }
-                free(buf);
-            }
+    struct matmul_job job = {type, x, M, K, N, w, y};
+    parallel_for(threads, (N + 7) / 8, matmul_part, &job);
+    return 0;
+}
+
+struct dequantize_job {
+    int type;
+    const uint8_t *w;
+    int64_t K;
+    const int64_t *ids;
+    float *out;
+};
+
+static void dequantize_part(void *arg, int64_t i0, int64_t i1) {
+    const struct dequantize_job *j = (const struct dequantize_job *)arg;
+    const int64_t row_bytes = j->K / 32 * block_bytes(j->type);
+    for (int64_t i = i0; i < i1; i++) {
+        const uint8_t *row = j->w + (j->ids ? j->ids[i] : i) * row_bytes;
+        switch (j->type) {
+        case GGML_Q4_0: decode_row(GGML_Q4_0, row, j->K, j->out + i * j->K); break;
+        case GGML_Q4_1: decode_row(GGML_Q4_1, row, j->K, j->out + i * j->K); break;
+        default: decode_row(GGML_Q8_0, row, j->K, j->out + i * j->K); break;
         }
     }
-    return 0;
 }
 
 /* out[i] = dequantized row ids[i] of w (an embedding lookup); ids == NULL: rows 0..n-1 (the whole weight). */
 int gguf_dequantize_rows(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out,
                          int threads) {
     if (block_bytes(type) == 0 || K % 32 != 0) return -1;
-    const int64_t row_bytes = K / 32 * block_bytes(type);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *row = w + (ids ? ids[i] : i) * row_bytes;
-        switch (type) {
-        case GGML_Q4_0: decode_row(GGML_Q4_0, row, K, out + i * K); break;
-        case GGML_Q4_1: decode_row(GGML_Q4_1, row, K, out + i * K); break;
-        default: decode_row(GGML_Q8_0, row, K, out + i * K); break;
-        }
-    }
+    struct dequantize_job job = {type, w, K, ids, out};
+    parallel_for(threads, n, dequantize_part, &job);
     return 0;
 }

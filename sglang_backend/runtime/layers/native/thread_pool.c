@@ -1,0 +1,101 @@
+/* The worker threads of the native kernels: one pool per process, whichever thread calls.
+ *
+ * Why not OpenMP: a decode step calls a kernel every ~50-200 us with Python work in between. GNU OpenMP keeps a
+ * team per calling thread (the engine's scheduler thread and the main thread both had one), and once more
+ * OpenMP threads exist than cores it throttles its idle spin, so every call paid a wake-up of the sleeping
+ * worker (~100 us on a VM), 2-3x the matmul itself. These workers spin (pause, then yield the core) for up to
+ * SPIN_NS after each job, and only then sleep on a condition variable, so an idle engine burns no CPU.
+ */
+#define _GNU_SOURCE
+#include "native.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <immintrin.h>
+
+#define MAX_WORKERS 255
+#define SPIN_NS 2000000L  /* 2 ms: longer than the gap between two kernels of one step */
+#define PAUSE_NS 20000L   /* the first 20 us with pause only, then sched_yield so others may run */
+
+static struct {
+    pthread_mutex_t lock;   /* held by the caller during a job: one job at a time */
+    pthread_mutex_t sleep_lock;
+    pthread_cond_t wake;
+    pthread_t threads[MAX_WORKERS];
+    int workers;
+    atomic_long generation; /* bumped per job */
+    atomic_int remaining;   /* workers still running the current job */
+    atomic_int sleepers;
+    parallel_fn fn;
+    void *ctx;
+    int64_t total;
+    int parts;
+    long born_at[MAX_WORKERS]; /* the generation before a worker's first job (it may start after the bump) */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void run_part(int part) {
+    const int64_t begin = pool.total * part / pool.parts, end = pool.total * (part + 1) / pool.parts;
+    if (begin < end) pool.fn(pool.ctx, begin, end);
+}
+
+static void *worker_main(void *arg) {
+    const int index = (int)(intptr_t)arg; /* runs part index + 1; the caller runs part 0 */
+    long seen = pool.born_at[index];
+    for (;;) {
+        const long start = now_ns();
+        long spins = 0;
+        while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen) {
+            if ((++spins & 63) == 0) {
+                const long waited = now_ns() - start;
+                if (waited > SPIN_NS) {
+                    pthread_mutex_lock(&pool.sleep_lock);
+                    atomic_fetch_add(&pool.sleepers, 1);
+                    while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.sleep_lock);
+                    atomic_fetch_sub(&pool.sleepers, 1);
+                    pthread_mutex_unlock(&pool.sleep_lock);
+                    break;
+                }
+                if (waited > PAUSE_NS) sched_yield();
+            }
+            _mm_pause();
+        }
+        seen = atomic_load(&pool.generation);
+        if (index + 1 < pool.parts) run_part(index + 1);
+        atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+void parallel_for(int threads, int64_t total, parallel_fn fn, void *ctx) {
+    if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
+    if (threads <= 1 || total <= 1) {
+        if (total > 0) fn(ctx, 0, total);
+        return;
+    }
+    pthread_mutex_lock(&pool.lock);
+    while (pool.workers < threads - 1) { /* grown on demand, never shrunk */
+        pool.born_at[pool.workers] = atomic_load(&pool.generation);
+        if (pthread_create(&pool.threads[pool.workers], NULL, worker_main, (void *)(intptr_t)pool.workers) != 0) break;
+        pool.workers++;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.total = total;
+    pool.parts = pool.workers + 1 < threads ? pool.workers + 1 : threads;
+    atomic_store(&pool.remaining, pool.workers);
+    pthread_mutex_lock(&pool.sleep_lock); /* a worker between its check and its wait cannot miss the bump */
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    if (atomic_load(&pool.sleepers) > 0) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.sleep_lock);
+    run_part(0);
+    while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0) _mm_pause();
+    pthread_mutex_unlock(&pool.lock);
+}
