@@ -158,3 +158,68 @@ def test_kernels_from_two_threads_at_once():
     for t in threads:
         t.join()
     assert not errors
+
+
+def _attention_reference(q, k_buf, v_buf, rows, token_req, token_len, scale, cap, window):
+    """Per query token: softmax over its visible positions of its request, in float64."""
+    tokens, H, D = q.shape
+    group = H // k_buf.shape[1]
+    out = torch.empty(tokens, H, D, dtype=torch.float64)
+    for t in range(tokens):
+        length = int(token_len[t])
+        first = max(0, length - window) if window else 0
+        slots = rows[int(token_req[t]), first:length]
+        for h in range(H):
+            k = k_buf[slots, h // group].double()
+            s = (k @ q[t, h].double()) * scale
+            if cap:
+                s = cap * torch.tanh(s / cap)
+            out[t, h] = torch.softmax(s, 0) @ v_buf[slots, h // group].double()
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("D", [16, 20, 64, 128])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (7, 0.0), (0, 30.0)])
+def test_paged_attention_equals_reference(D, window, cap):
+    """The native attention on fresh random inputs: GQA (6 heads over 2), requests of different lengths whose
+    slots are scattered over the pool, several new tokens per request (causal), windows and softcaps."""
+    gen = torch.Generator().manual_seed(D * 100 + window)
+    H, Hkv, pool_rows = 6, 2, 400
+    k_buf = torch.randn(pool_rows, Hkv, D, generator=gen)
+    v_buf = torch.randn(pool_rows, Hkv, D, generator=gen)
+    lengths, new = [3, 40, 129], [1, 5, 17]
+    rows = torch.zeros(len(lengths), 160, dtype=torch.int64)
+    for b, n in enumerate(lengths):
+        rows[b, :n] = torch.randperm(pool_rows, generator=gen)[:n]
+    token_req = torch.tensor([b for b, n in enumerate(new) for _ in range(n)])
+    token_len = torch.tensor([total - n + 1 + i for total, n in zip(lengths, new) for i in range(n)])
+    q = torch.randn(len(token_req), H, D, generator=gen)
+    out = torch.empty_like(q)
+    scale = D ** -0.5
+    native.kernels().paged_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), rows.shape[1],
+                                     token_req.data_ptr(), token_len.data_ptr(), len(token_req), H, Hkv, D, scale,
+                                     cap, window, out.data_ptr(), 2)
+    want = _attention_reference(q, k_buf, v_buf, rows, token_req, token_len, scale, cap, window)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 100])
+def test_native_rmsnorm_equals_reference(rows):
+    """RMSNorm with and without the residual add (1 row, and enough rows to split over the pool); the caller's
+    residual is left untouched, as the reference's ``residual + x`` leaves it."""
+    from sglang_backend.runtime.layers.kernel_options import KernelOptions
+    from sglang_backend.runtime.layers.layernorm import RMSNorm
+
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=gen))
+    x, residual = torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen)
+    before = residual.clone()
+    opts = KernelOptions(native_cpu=True)
+    torch.testing.assert_close(norm(x, opts=opts), norm(x), rtol=1e-5, atol=1e-5)
+    (got, got_res), (want, want_res) = norm(x, residual, opts), norm(x, residual)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_res, want_res) and torch.equal(residual, before)

@@ -1,6 +1,8 @@
 """Reference attention over the paged KV pool with torch SDPA. Exact on CPU; the GPU kernels are checked
-against it. On the CPU (``native``), float32 decode steps run ``native/paged_attention.c`` instead, which reads
-K and V in place from the pool rather than gathering a padded copy per layer (same arithmetic, fp32).
+against it. On the CPU (``native_kernels``), float32 decode steps and prefill batches whose requests each add at
+most ``NATIVE_EXTEND_MAX`` tokens (a question after a cached prefix) run ``native/paged_attention.c`` instead,
+which reads K and V in place from the pool rather than gathering a copy per layer and request (same arithmetic,
+fp32). Longer prompts keep SDPA, whose blocked kernel beats one dot product per (query, key).
 
 Sliding-window layers (``layer.sliding_window`` W) mask every key outside the last W positions up to the query
 (HF's rule, see layers/radix_attention.py); layers with a ``logit_cap`` run HF's eager arithmetic (scores scaled,
@@ -14,6 +16,9 @@ import torch.nn.functional as F
 
 from .. import native
 from .base import AttentionBackend
+
+# Longest extend (new tokens of one request) the native kernel takes; longer ones go to SDPA.
+NATIVE_EXTEND_MAX = 64
 
 
 def extend_mask(prefix_len: int, extend_len: int, window: int | None, device) -> torch.Tensor:
@@ -46,16 +51,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, native_kernels: bool = False):
         kernels = native.kernels() if native_kernels else None
-        self.native_decode = kernels.paged_decode_attention if kernels is not None else None
+        self.native_attention = kernels.paged_attention if kernels is not None else None
 
     def init_forward_metadata(self, fb) -> None:
         self.kv_slots = []  # per request: KV slots of all its tokens (prefix + new)
+        self.native_tokens = None  # (token_req, token_len) when the native kernel runs this batch
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices]
-        if fb.forward_mode.is_decode() and self.native_decode is not None and rows.device.type == "cpu":
-            self.decode_rows = rows.contiguous()  # [bs, max context]: each request's slots, read in place
-            self.decode_seq_lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
-            self.decode_slots = None
-        elif fb.forward_mode.is_decode():
+        if self.native_attention is not None and rows.device.type == "cpu":
+            if fb.forward_mode.is_decode():
+                self._native_metadata(rows, fb.seq_lens_cpu, [1] * len(fb.seq_lens_cpu))
+                return
+            if max(fb.extend_seq_lens_cpu, default=0) <= NATIVE_EXTEND_MAX:
+                self._native_metadata(rows, fb.seq_lens_cpu, fb.extend_seq_lens_cpu)
+                return
+        if fb.forward_mode.is_decode():
             # Batched decode: pad every request's slot list to the longest, mask the padding out.
             max_len = max(fb.seq_lens_cpu)
             self.decode_seq_lens = torch.tensor(fb.seq_lens_cpu, device=rows.device)
@@ -66,12 +75,21 @@ class TorchNativeAttnBackend(AttentionBackend):
         else:
             self.kv_slots = [rows[i, :n] for i, n in enumerate(fb.seq_lens_cpu)]
 
+    def _native_metadata(self, rows, seq_lens: list[int], new_lens: list[int]) -> None:
+        """Each new token's request and visible length: the request's last ``new`` positions, causally."""
+        self.native_rows = rows.contiguous()  # [bs, max context]: each request's slots, read in place
+        token_req = [b for b, n in enumerate(new_lens) for _ in range(n)]
+        token_len = [total - n + 1 + i for total, n in zip(seq_lens, new_lens) for i in range(n)]
+        self.native_tokens = (torch.tensor(token_req, dtype=torch.int64), torch.tensor(token_len, dtype=torch.int64))
+
     def forward_extend(self, q, k, v, layer, fb, save_kv: bool = True):
         pool = fb.token_to_kv_pool
         if save_kv:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
                                v.view(-1, layer.num_kv_heads, layer.head_dim))
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        if self.native_tokens is not None:
+            return self._native_forward(q, k_buf, v_buf, layer)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         start = 0
@@ -100,8 +118,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
                                v.view(-1, layer.num_kv_heads, layer.head_dim))
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        if self.decode_slots is None:
-            return self._native_forward_decode(q, k_buf, v_buf, layer)
+        if self.native_tokens is not None:
+            return self._native_forward(q, k_buf, v_buf, layer)
         q = q.view(-1, layer.num_heads, 1, layer.head_dim)  # [bs, H, 1, D]
         keys = k_buf[self.decode_slots].transpose(1, 2).to(q.dtype)  # [bs, Hkv, L, D]
         values = v_buf[self.decode_slots].transpose(1, 2).to(q.dtype)
@@ -109,14 +127,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = attend(q, keys, values, mask, layer)
         return out.reshape(-1, layer.num_heads * layer.head_dim)
 
-    def _native_forward_decode(self, q, k_buf, v_buf, layer):
+    def _native_forward(self, q, k_buf, v_buf, layer):
         if q.dtype != torch.float32 or k_buf.dtype != torch.float32:
-            raise TypeError("the native decode attention runs float32 only (the CPU's dtype)")
+            raise TypeError("the native attention runs float32 only (the CPU's dtype)")
         q = q.contiguous()
         out = torch.empty_like(q)
-        rows = self.decode_rows
-        self.native_decode(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), rows.shape[1],
-                           self.decode_seq_lens.data_ptr(), rows.shape[0], layer.num_heads, layer.num_kv_heads,
-                           layer.head_dim, layer.scaling, layer.logit_cap or 0.0, layer.sliding_window or 0,
-                           out.data_ptr(), torch.get_num_threads())
+        rows, (token_req, token_len) = self.native_rows, self.native_tokens
+        self.native_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), rows.shape[1],
+                              token_req.data_ptr(), token_len.data_ptr(), token_req.numel(), layer.num_heads,
+                              layer.num_kv_heads, layer.head_dim, layer.scaling, layer.logit_cap or 0.0,
+                              layer.sliding_window or 0, out.data_ptr(), torch.get_num_threads())
         return out.reshape(-1, layer.num_heads * layer.head_dim)

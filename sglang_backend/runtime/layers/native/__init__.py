@@ -109,7 +109,7 @@ def load() -> ctypes.CDLL | None:
 _SIGNATURES = {
     "gguf_matmul": "tpiipipt",
     "gguf_dequantize_rows": "tpipipt",
-    "paged_decode_attention": "ppppipiiiiffipt",
+    "paged_attention": "ppppippiiiiffipt",
     "rmsnorm": "pppiifpt",
 }
 _CTYPES = {"i": ctypes.c_int64, "p": ctypes.c_void_p, "f": ctypes.c_float, "t": ctypes.c_int}

@@ -1,10 +1,12 @@
-/* One decode step of attention over the paged KV pool, on the CPU (AVX2 + FMA), float32.
+/* Attention of a few query tokens per request over the paged KV pool, on the CPU (AVX2 + FMA), float32: every
+ * decode step, and prefill batches of short extends (a suffix after a cached prefix).
  *
- * Work is split over (request, head) pairs (thread_pool.c). Each request has one query token; its keys and values are the pool rows its slot list names (the request's
- * row of req_to_token), read in place: no gathered copy of K and V as the torch path makes. Per (request, head):
- * scores = scale * q . k_j over the visible positions (all of 0 .. seq_len - 1, or with a window W the last W),
- * optionally softcapped (cap * tanh(s / cap)), softmax, out = sum_j p_j v_j. GQA: head h reads KV head
- * h / (H / Hkv).
+ * Query token t belongs to request token_req[t] and sees its first token_len[t] positions (causal: its own
+ * position + 1), or with a window W only the last W of them. Keys and values are the pool rows the request's
+ * slot list names (its row of req_to_token), read in place: no gathered copy of K and V as the torch path makes.
+ * Per (token, head): scores = scale * q . k_j, optionally softcapped (cap * tanh(s / cap)), softmax,
+ * out = sum_j p_j v_j. GQA: head h reads KV head h / (H / Hkv). Work is split over (token, head) pairs
+ * (thread_pool.c), ordered KV head first.
  */
 #include "native.h"
 
@@ -38,51 +40,145 @@ static inline void axpy(float alpha, const float *x, float *y, int64_t n) { /* y
 
 struct attention_job {
     const float *q, *k_buf, *v_buf;
-    const int64_t *slots, *seq_lens;
-    int64_t slot_stride, H, Hkv, D, max_len, window;
+    const int64_t *slots, *token_req, *token_len;
+    int64_t slot_stride, tokens, H, Hkv, D, max_len, window;
     float scale, logit_cap;
     float *out;
 };
 
+/* exp of 8 floats (Cephes' expf: range reduction by ln 2, a degree-6 polynomial; ~1 ulp), inputs clamped to
+ * [-87.3, 88.3]. glibc's scalar expf per score was a third of a decode step's attention. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* The 8 lane sums of v[0..7], as one vector. */
+static inline __m256 hsum8(const __m256 v[8]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* One (request, head): scores of 8 keys at a time (one horizontal reduction per 8 keys), the output row kept in
+ * registers over all values. D % 8 == 0, D <= 256; inlined with a constant D so the loops unroll. */
+static inline __attribute__((always_inline)) void attend_head(const struct attention_job *j, const float *qh,
+                                                              const int64_t *pos_slots, int64_t first, int64_t len,
+                                                              int64_t offset, const int64_t D, float *scores,
+                                                              float *oh) {
+    const int64_t row = j->Hkv * j->D;
+    int64_t p = first;
+    for (; p + 8 <= len; p += 8) {
+        const float *kr[8];
+        __m256 acc[8];
+        const __m256 q0 = _mm256_loadu_ps(qh);
+        for (int k = 0; k < 8; k++) {
+            kr[k] = j->k_buf + pos_slots[p + k] * row + offset;
+            acc[k] = _mm256_mul_ps(q0, _mm256_loadu_ps(kr[k]));
+        }
+        for (int64_t d = 8; d < D; d += 8) { /* each chunk of q loaded once for the 8 keys */
+            const __m256 qd = _mm256_loadu_ps(qh + d);
+            for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kr[k] + d), acc[k]);
+        }
+        _mm256_storeu_ps(scores + p, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(j->scale)));
+    }
+    for (; p < len; p++) scores[p] = j->scale * dot(qh, j->k_buf + pos_slots[p] * row + offset, D);
+    float best = -INFINITY;
+    for (p = first; p < len; p++) {
+        if (j->logit_cap > 0) scores[p] = j->logit_cap * tanhf(scores[p] / j->logit_cap);
+        best = scores[p] > best ? scores[p] : best;
+    }
+    const __m256 shift = _mm256_set1_ps(best);
+    __m256 sums = _mm256_setzero_ps();
+    for (p = first; p + 8 <= len; p += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), shift));
+        _mm256_storeu_ps(scores + p, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    __m256 lanes[8] = {sums, sums, sums, sums, sums, sums, sums, sums};
+    float total = _mm256_cvtss_f32(hsum8(lanes));
+    for (; p < len; p++) {
+        scores[p] = expf(scores[p] - best);
+        total += scores[p];
+    }
+    __m256 o[32];
+    for (int64_t i = 0; i < D / 8; i++) o[i] = _mm256_setzero_ps();
+    for (p = first; p < len; p++) {
+        const __m256 w = _mm256_set1_ps(scores[p]);
+        const float *vr = j->v_buf + pos_slots[p] * row + offset;
+        for (int64_t i = 0; i < D / 8; i++) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * i), o[i]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int64_t i = 0; i < D / 8; i++) _mm256_storeu_ps(oh + 8 * i, _mm256_mul_ps(o[i], inv));
+}
+
+/* Any D: one key at a time, the output accumulated in memory. */
+static void attend_head_any(const struct attention_job *j, const float *qh, const int64_t *pos_slots, int64_t first,
+                            int64_t len, int64_t offset, float *scores, float *oh) {
+    const int64_t row = j->Hkv * j->D, D = j->D;
+    float best = -INFINITY;
+    for (int64_t p = first; p < len; p++) {
+        float s = j->scale * dot(qh, j->k_buf + pos_slots[p] * row + offset, D);
+        if (j->logit_cap > 0) s = j->logit_cap * tanhf(s / j->logit_cap);
+        scores[p] = s;
+        best = s > best ? s : best;
+    }
+    float total = 0.0f;
+    for (int64_t p = first; p < len; p++) {
+        scores[p] = expf(scores[p] - best);
+        total += scores[p];
+    }
+    for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
+    for (int64_t p = first; p < len; p++) axpy(scores[p] / total, j->v_buf + pos_slots[p] * row + offset, oh, D);
+}
+
 static void attention_part(void *arg, int64_t i0, int64_t i1) {
     const struct attention_job *j = (const struct attention_job *)arg;
-    const int64_t group = j->H / j->Hkv, row = j->Hkv * j->D, D = j->D;
-    float *scores = (float *)malloc((size_t)j->max_len * sizeof(float));
+    const int64_t group = j->H / j->Hkv, D = j->D;
+    float *scores = (float *)malloc((size_t)(j->max_len + 8) * sizeof(float));
     if (!scores) abort();
     for (int64_t i = i0; i < i1; i++) {
-        const int64_t b = i / j->H, h = i % j->H, kvh = h / group, len = j->seq_lens[b];
+        /* items ordered (KV head, token, head of its group): one KV head's K and V (a few hundred KB) stay in
+         * cache while every token reads them; requests over a shared prefix read the very same rows */
+        const int64_t kvh = i / (j->tokens * group), rest = i % (j->tokens * group);
+        const int64_t t = rest / group, h = kvh * group + rest % group, b = j->token_req[t], len = j->token_len[t];
         const int64_t first = j->window > 0 && len > j->window ? len - j->window : 0;
-        const float *qh = j->q + i * D;
-        const int64_t *pos_slots = j->slots + b * j->slot_stride;
-        float best = -INFINITY;
-        for (int64_t p = first; p < len; p++) {
-            float s = j->scale * dot(qh, j->k_buf + pos_slots[p] * row + kvh * D, D);
-            if (j->logit_cap > 0) s = j->logit_cap * tanhf(s / j->logit_cap);
-            scores[p] = s;
-            best = s > best ? s : best;
+        const float *qh = j->q + (t * j->H + h) * D;
+        const int64_t *pos_slots = j->slots + b * j->slot_stride, offset = h / group * D;
+        float *oh = j->out + (t * j->H + h) * D;
+        switch (D) { /* the common head sizes get their own unrolled copy */
+        case 64: attend_head(j, qh, pos_slots, first, len, offset, 64, scores, oh); break;
+        case 128: attend_head(j, qh, pos_slots, first, len, offset, 128, scores, oh); break;
+        default:
+            if (D % 8 == 0 && D <= 256) attend_head(j, qh, pos_slots, first, len, offset, D, scores, oh);
+            else attend_head_any(j, qh, pos_slots, first, len, offset, scores, oh);
         }
-        float total = 0.0f;
-        for (int64_t p = first; p < len; p++) {
-            scores[p] = expf(scores[p] - best);
-            total += scores[p];
-        }
-        float *oh = j->out + i * D;
-        for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
-        for (int64_t p = first; p < len; p++) axpy(scores[p] / total, j->v_buf + pos_slots[p] * row + kvh * D, oh, D);
     }
     free(scores);
 }
 
-/* q, out: [bs, H, D]. k_buf, v_buf: [pool rows, Hkv, D]. slots: [bs, slot_stride] pool rows of each request's
- * positions. window <= 0: no window; logit_cap <= 0: no cap. Returns 0, or -1 if H is not a multiple of Hkv. */
-int paged_decode_attention(const float *q, const float *k_buf, const float *v_buf, const int64_t *slots,
-                           int64_t slot_stride, const int64_t *seq_lens, int64_t bs, int64_t H, int64_t Hkv,
-                           int64_t D, float scale, float logit_cap, int64_t window, float *out, int threads) {
+/* q, out: [tokens, H, D]. k_buf, v_buf: [pool rows, Hkv, D]. slots: [requests, slot_stride] pool rows of each
+ * request's positions. token_req, token_len: [tokens]. window <= 0: no window; logit_cap <= 0: no cap.
+ * Returns 0, or -1 if H is not a multiple of Hkv. */
+int paged_attention(const float *q, const float *k_buf, const float *v_buf, const int64_t *slots, int64_t slot_stride,
+                    const int64_t *token_req, const int64_t *token_len, int64_t tokens, int64_t H, int64_t Hkv,
+                    int64_t D, float scale, float logit_cap, int64_t window, float *out, int threads) {
     if (Hkv <= 0 || H % Hkv != 0) return -1;
     int64_t max_len = 1;
-    for (int64_t b = 0; b < bs; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    struct attention_job job = {q, k_buf, v_buf, slots, seq_lens, slot_stride, H, Hkv, D, max_len, window,
-                                scale, logit_cap, out};
-    parallel_for(threads, bs * H, attention_part, &job);
+    for (int64_t t = 0; t < tokens; t++) max_len = token_len[t] > max_len ? token_len[t] : max_len;
+    struct attention_job job = {q, k_buf, v_buf, slots, token_req, token_len, slot_stride, tokens, H, Hkv, D,
+                                max_len, window, scale, logit_cap, out};
+    parallel_for(threads, tokens * H, attention_part, &job);
     return 0;
 }
