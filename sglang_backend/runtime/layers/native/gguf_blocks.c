@@ -8,8 +8,9 @@
  * Nibble j of the 16 bytes holds column j (low half of byte j) and column j + 16 (high half).
  *
  * Activations stay float32 (llama.cpp quantizes them to 8 bits; we do not, so the result equals a float32
- * matmul with the dequantized weight up to summation order). Each weight is rounded exactly as gguf-py's
- * dequantize rounds it (d * q, then + m: built with -ffp-contract=off so the two are not fused).
+ * matmul with the dequantized weight up to float rounding). Dequantized rows (embedding lookups, the buffers
+ * of the many-row path) are rounded exactly as gguf-py's dequantize rounds them (d * q, then + m: built with
+ * -ffp-contract=off so the two are not fused); one row factors each block's scale out instead (gemv_rows).
  *
  * Threads: output rows are split over the pool's workers (thread_pool.c).
  */
@@ -67,21 +68,50 @@ static int block_bytes(int type) {
     }
 }
 
-/* y[n] = x . w[n] for one activation row: decode and multiply in registers, no buffer. */
-static inline __attribute__((always_inline)) void gemv_rows(int type, const float *x, int64_t K, const uint8_t *w,
-                                                            int64_t n0, int64_t n1, float *y) {
+/* The block's 32 quants as float vectors, unscaled: q (Q4_1, Q8_0) or q - 8 (Q4_0). */
+static inline __attribute__((always_inline)) void block_quants(int type, const uint8_t *b, __m256 q[4]) {
+    if (type == GGML_Q8_0) {
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i))));
+        return;
+    }
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + (type == GGML_Q4_1 ? 4 : 2)));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    if (type == GGML_Q4_0)
+        for (int i = 0; i < 4; i++) q[i] = _mm256_sub_ps(q[i], _mm256_set1_ps(8.0f));
+}
+
+/* y[n] = x . w[n] for one activation row, with the scale factored out of each block:
+ * sum_j x_j (d q_j + m) = d (sum_j x_j q_j) + m (sum_j x_j), the block sums of x computed once per call
+ * (xsum). Fewer operations per weight than dequantizing first; same result up to float rounding. */
+static inline __attribute__((always_inline)) void gemv_rows(int type, const float *x, const float *xsum, int64_t K,
+                                                            const uint8_t *w, int64_t n0, int64_t n1, float *y) {
     const int bb = block_bytes(type);
     const int64_t nb = K / 32, row_bytes = nb * bb;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * row_bytes;
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        float mins = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
-            __m256 wv[4];
-            decode_block(type, row + b * bb, wv);
+            const uint8_t *blk = row + b * bb;
+            __m256 q[4];
+            block_quants(type, blk, q);
             const float *xb = x + b * 32;
-            for (int i = 0; i < 4; i++) acc[i] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + 8 * i), acc[i]);
+            __m256 t0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+            __m256 t1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(xb + 8));
+            t0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), t0);
+            t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), t1);
+            const __m256 d = _mm256_set1_ps(half_to_float(blk));
+            if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, acc1);
+            else acc0 = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, acc0);
+            if (type == GGML_Q4_1) mins += half_to_float(blk + 2) * xsum[b];
         }
-        y[n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        y[n] = hsum(_mm256_add_ps(acc0, acc1)) + mins;
     }
 }
 
@@ -138,10 +168,16 @@ static void matmul_part(void *arg, int64_t g0, int64_t g1) {
     const struct matmul_job *j = (const struct matmul_job *)arg;
     const int64_t n0 = g0 * 8, n1 = g1 * 8 < j->N ? g1 * 8 : j->N;
     if (j->M == 1) {
+        float xsum[j->K / 32]; /* at most a few hundred floats: K is a row of activations */
+        for (int64_t b = 0; b < j->K / 32; b++) {
+            float total = 0.0f;
+            for (int i = 0; i < 32; i++) total += j->x[b * 32 + i];
+            xsum[b] = total;
+        }
         switch (j->type) { /* constant type per call: each case is its own specialised loop */
-        case GGML_Q4_0: gemv_rows(GGML_Q4_0, j->x, j->K, j->w, n0, n1, j->y); break;
-        case GGML_Q4_1: gemv_rows(GGML_Q4_1, j->x, j->K, j->w, n0, n1, j->y); break;
-        default: gemv_rows(GGML_Q8_0, j->x, j->K, j->w, n0, n1, j->y); break;
+        case GGML_Q4_0: gemv_rows(GGML_Q4_0, j->x, xsum, j->K, j->w, n0, n1, j->y); break;
+        case GGML_Q4_1: gemv_rows(GGML_Q4_1, j->x, xsum, j->K, j->w, n0, n1, j->y); break;
+        default: gemv_rows(GGML_Q8_0, j->x, xsum, j->K, j->w, n0, n1, j->y); break;
         }
         return;
     }
