@@ -124,33 +124,35 @@ static inline __attribute__((always_inline)) void decode_row(int type, const uin
     }
 }
 
-/* Several activation rows: two weight rows are decoded into a buffer, then 4 activation rows x 2 weight rows
- * are accumulated at once (8 independent FMA chains; each loaded vector feeds 2 or 4 FMAs). */
+/* Several activation rows: three weight rows are decoded into a buffer, then 4 activation rows x 3 weight rows
+ * are accumulated at once (12 independent FMA chains; each loaded vector feeds 3 or 4 FMAs). */
 static inline __attribute__((always_inline)) void gemm_rows(int type, const float *x, int64_t M, int64_t K,
                                                             const uint8_t *w, int64_t N, int64_t n0, int64_t n1,
                                                             float *y, float *buf) {
     const int64_t row_bytes = K / 32 * block_bytes(type);
-    for (int64_t n = n0; n < n1; n += 2) {
-        const int64_t n_b = n + 1 < n1 ? n + 1 : n; /* an odd last row is computed twice, stored once */
-        decode_row(type, w + n * row_bytes, K, buf);
-        decode_row(type, w + n_b * row_bytes, K, buf + K);
+    for (int64_t n = n0; n < n1; n += 3) {
+        int64_t rows[3]; /* a short last group repeats its last row: computed again, stored once */
+        for (int c = 0; c < 3; c++) {
+            rows[c] = n + c < n1 ? n + c : n1 - 1;
+            decode_row(type, w + rows[c] * row_bytes, K, buf + c * K);
+        }
         for (int64_t m = 0; m < M; m += 4) {
             const float *xr[4];
             for (int r = 0; r < 4; r++) xr[r] = x + (m + r < M ? m + r : M - 1) * K; /* tail rows repeat */
-            __m256 a[4][2];
-            for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
-            for (int64_t k = 0; k < K; k += 8) {
-                const __m256 w0 = _mm256_loadu_ps(buf + k), w1 = _mm256_loadu_ps(buf + K + k);
+            __m256 a[4][3];
+            for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = a[r][2] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k += 8) { /* 12 FMAs per 7 loads */
+                const __m256 w0 = _mm256_loadu_ps(buf + k), w1 = _mm256_loadu_ps(buf + K + k),
+                             w2 = _mm256_loadu_ps(buf + 2 * K + k);
                 for (int r = 0; r < 4; r++) {
                     const __m256 xv = _mm256_loadu_ps(xr[r] + k);
                     a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
                     a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+                    a[r][2] = _mm256_fmadd_ps(xv, w2, a[r][2]);
                 }
             }
-            for (int r = 0; r < 4 && m + r < M; r++) {
-                y[(m + r) * N + n] = hsum(a[r][0]);
-                if (n_b != n) y[(m + r) * N + n_b] = hsum(a[r][1]);
-            }
+            for (int r = 0; r < 4 && m + r < M; r++)
+                for (int c = 0; c < 3 && n + c < n1; c++) y[(m + r) * N + n + c] = hsum(a[r][c]);
         }
     }
 }
@@ -181,7 +183,7 @@ static void matmul_part(void *arg, int64_t g0, int64_t g1) {
         }
         return;
     }
-    float *buf = (float *)aligned_alloc(64, (size_t)(2 * j->K) * sizeof(float));
+    float *buf = (float *)aligned_alloc(64, (size_t)(3 * j->K) * sizeof(float));
     if (!buf) abort();
     switch (j->type) {
     case GGML_Q4_0: gemm_rows(GGML_Q4_0, j->x, j->M, j->K, j->w, j->N, n0, n1, j->y, buf); break;
