@@ -59,6 +59,25 @@ def test_kernels_off_without_a_compiler(monkeypatch, tmp_path, caplog):
         assert "native kernels off" in caplog.text
 
 
+def test_kernels_off_with_an_unwritable_cache(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(native, "kernels_dir", lambda: str(blocker / "kernels"))  # under a file: cannot exist
+    with caplog.at_level("WARNING"):
+        assert native.load.__wrapped__() is None
+    if "avx2" in native.cpu_flags():
+        assert "cannot build" in caplog.text
+
+
+def test_block_matmul_without_kernels_dequantizes(monkeypatch):
+    """No kernels here: the same answer from a dequantized copy."""
+    blocks = gguf_quant.quantize(torch.randn(40, 64), "Q4_0")
+    x = torch.randn(3, 64)
+    want = x @ gguf_quant._reference_dequantize(blocks, "Q4_0", 64).T
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    torch.testing.assert_close(gguf_quant.matmul(x, blocks, "Q4_0"), want, rtol=1e-5, atol=1e-4)
+
+
 def test_quantization_choice_is_checked():
     with pytest.raises(ValueError, match="quantization must be one of"):
         ServerArgs(quantization="q4")
@@ -223,3 +242,17 @@ def test_native_rmsnorm_equals_reference(rows):
     (got, got_res), (want, want_res) = norm(x, residual, opts), norm(x, residual)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_res, want_res) and torch.equal(residual, before)
+
+
+@needs_kernels
+def test_kernels_work_in_a_forked_child():
+    """A child forked after the pool's workers started gets a pool of its own (no wait on the parent's)."""
+    import multiprocessing
+
+    blocks = gguf_quant.quantize(torch.randn(256, 64), "Q8_0")
+    x = torch.randn(2, 64)
+    want = gguf_quant.matmul(x, blocks, "Q8_0")  # the parent's workers exist from here on
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as children:
+        got = children.apply_async(gguf_quant.matmul, (x, blocks, "Q8_0")).get(timeout=60)
+    torch.testing.assert_close(got, want)

@@ -83,7 +83,7 @@ def dequantize(blocks: torch.Tensor, gguf_type: str, in_features: int, ids: torc
     n = blocks.shape[0] if ids is None else ids.numel()
     out = torch.empty(n, in_features, dtype=torch.float32)
     kernels.gguf_dequantize_rows(FORMATS[gguf_type][0], blocks.data_ptr(), in_features,
-                            None if ids is None else ids.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
+                                 None if ids is None else ids.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -91,14 +91,14 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, gguf_type: str, bias: torch.Te
     """``x @ W.T (+ bias)`` for float32 ``x [..., K]`` and a block weight ``W`` of ``blocks.shape[0]`` rows."""
     in_features = x.shape[-1]
     rows = x.numel() // in_features if in_features else 0
-    if rows > MAX_NATIVE_ROWS or x.dtype != torch.float32:
-        return F.linear(x, dequantize(blocks, gguf_type, in_features).to(x.dtype), bias)
     kernels = native.kernels()
+    if kernels is None or rows > MAX_NATIVE_ROWS or x.dtype != torch.float32:
+        return F.linear(x, dequantize(blocks, gguf_type, in_features).to(x.dtype), bias)
     x2 = x.reshape(rows, in_features).contiguous()
     out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
     if rows:
         kernels.gguf_matmul(FORMATS[gguf_type][0], x2.data_ptr(), rows, in_features, blocks.data_ptr(),
-                       blocks.shape[0], out.data_ptr(), torch.get_num_threads())
+                            blocks.shape[0], out.data_ptr(), torch.get_num_threads())
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], blocks.shape[0])

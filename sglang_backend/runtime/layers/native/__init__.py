@@ -78,8 +78,16 @@ def load() -> ctypes.CDLL | None:
         with open(path, "rb") as f:
             digest.update(f.read())
     out_dir = kernels_dir()
-    os.makedirs(out_dir, exist_ok=True)
     target = os.path.join(out_dir, f"{LIBRARY}-{digest.hexdigest()[:16]}.so")
+    try:
+        return _build(cc, sources, here, out_dir, target)
+    except OSError as exc:  # an unwritable cache, a full disk
+        logger.warning("native kernels off: cannot build into %s: %s; using the torch path", out_dir, exc)
+        return None
+
+
+def _build(cc: str, sources: list[str], here: str, out_dir: str, target: str) -> ctypes.CDLL | None:
+    os.makedirs(out_dir, exist_ok=True)
     with open(target + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same file
         if not os.path.exists(target):

@@ -74,12 +74,27 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* A forked child has none of the parent's workers (and maybe a lock held by a thread that is gone): it starts
+ * an empty pool of its own. */
+static void reset_after_fork(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_mutex_init(&pool.sleep_lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.workers = 0;
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.remaining, 0);
+}
+
+static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
+static void install_fork_handler(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
+
 void parallel_for(int threads, int64_t total, parallel_fn fn, void *ctx) {
     if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
     if (threads <= 1 || total <= 1) {
         if (total > 0) fn(ctx, 0, total);
         return;
     }
+    pthread_once(&fork_handler_once, install_fork_handler);
     pthread_mutex_lock(&pool.lock);
     while (pool.workers < threads - 1) { /* grown on demand, never shrunk */
         pool.born_at[pool.workers] = atomic_load(&pool.generation);
