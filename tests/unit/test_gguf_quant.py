@@ -256,3 +256,31 @@ def test_kernels_work_in_a_forked_child():
     with ctx.Pool(1) as children:
         got = children.apply_async(gguf_quant.matmul, (x, blocks, "Q8_0")).get(timeout=60)
     torch.testing.assert_close(got, want)
+
+
+@needs_kernels
+def test_native_rope_store_equals_reference():
+    """Rotary in place on q and k of the fused qkv rows (HF's rotate-half arithmetic), k and v into their slots."""
+    from transformers import LlamaConfig
+
+    from sglang_backend.runtime.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+
+    H, Hkv, D, T = 4, 2, 16, 5
+    rotary = RotaryEmbedding(LlamaConfig(hidden_size=H * D, num_attention_heads=H, max_position_embeddings=64), D)
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen)
+    positions = torch.tensor([0, 7, 8, 30, 63])
+    loc = torch.tensor([9, 2, 5, 0, 11])
+    k_buf, v_buf = torch.zeros(12, Hkv, D), torch.zeros(12, Hkv, D)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    ref = rotary.for_batch(positions, torch.float32, fused=False, max_positions=0)
+    want_q = apply_rotary(q.reshape(T, H, D), ref.cos, ref.sin).reshape(T, -1)
+    want_k = apply_rotary(k.reshape(T, Hkv, D), ref.cos, ref.sin)
+    want_v = v.reshape(T, Hkv, D).clone()
+    table = rotary.table(64, "cpu")
+    native.kernels().rope_store_kv(qkv.data_ptr(), T, H, Hkv, D, positions.data_ptr(), table.data_ptr(),
+                                   loc.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), 2)
+    torch.testing.assert_close(qkv[:, : H * D], want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_buf[loc], want_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_buf[loc], want_v)
+    assert k_buf[[1, 3, 4]].abs().sum() == 0  # other slots untouched

@@ -3,7 +3,8 @@ the batch's attention backend.
 
 With fused kernels on (the batch's kernel options, CUDA) rotary and the KV store are one Triton kernel, in place
 on the qkv projection's output, when the backend lets the model store K/V itself
-(``AttentionBackend.supports_fused_kv_store``); else rotary alone and the backend stores. At batch 1 with the
+(``AttentionBackend.supports_fused_kv_store``); else rotary alone and the backend stores. On the CPU with the native
+kernels (``native_cpu``) the same happens in one C call (``native/rope_store.c``). At batch 1 with the
 ``fused_rope`` GEMV mode the qkv GEMV does both in its epilogue (``rope_store``; the layer is then told
 ``rotated``).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import native
 from .kernel_options import DEFAULT_OPTIONS
 from .rotary_embedding import RopeBatch, apply_rotary
 
@@ -49,6 +51,18 @@ class RadixAttention(nn.Module):
     def forward(self, q, k, v, forward_batch, save_kv: bool = True):
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv)
 
+    def _native_rope_store(self, qkv: torch.Tensor, rope: RopeBatch, out_cache_loc=None, k_buf=None, v_buf=None):
+        """The CPU's C kernel: q and k rotated in place in ``qkv``; with the buffers, k and v stored too."""
+        if not qkv.is_contiguous() or qkv.dtype != torch.float32:
+            raise TypeError("the native rotary kernel takes a contiguous float32 qkv")
+        positions = rope.positions.to(torch.int64).contiguous()
+        loc = out_cache_loc.to(torch.int64).contiguous() if out_cache_loc is not None else None
+        native.kernels().rope_store_kv(qkv.data_ptr(), qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim,
+                                       positions.data_ptr(), rope.table.data_ptr(),
+                                       None if loc is None else loc.data_ptr(),
+                                       None if k_buf is None else k_buf.data_ptr(),
+                                       None if v_buf is None else v_buf.data_ptr(), torch.get_num_threads())
+
     def _kv_store(self, fb) -> tuple:
         """Where the fused kernels write this layer's new K/V: (slots, K buffer, V buffer)."""
         pool = fb.token_to_kv_pool
@@ -74,7 +88,10 @@ class RadixAttention(nn.Module):
         store = fb.attn_backend.supports_fused_kv_store
         if not rotated:
             opts = fb.kernel_options or DEFAULT_OPTIONS
-            rope_and_store_kv(qkv, rope.positions, rope.table, self.num_heads, self.num_kv_heads, self.head_dim,
-                              *(self._kv_store(fb) if store else ()), qk_norm=qk_norm, pdl=opts.pdl)
+            if opts.native_cpu:
+                self._native_rope_store(qkv, rope, *(self._kv_store(fb) if store else ()))
+            else:
+                rope_and_store_kv(qkv, rope.positions, rope.table, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  *(self._kv_store(fb) if store else ()), qk_norm=qk_norm, pdl=opts.pdl)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self(q, k, v, fb, save_kv=not store)

@@ -140,7 +140,7 @@ class Gemma3Model(nn.Module):
         fb = forward_batch
         opts = fb.kernel_options
         hidden = self.scaled_embedding(input_ids)
-        fused = opts is not None and opts.fused_ops
+        fused = opts is not None and (opts.fused_ops or opts.native_cpu)  # rotary from the cos|sin table
         max_positions = fb.req_to_token_pool.max_context_len if fused else 0
         ropes = {FULL: self.rotary_emb.for_batch(positions, hidden.dtype, fused, max_positions)}
         if SLIDING in self.config.layer_types:

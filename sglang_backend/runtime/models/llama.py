@@ -185,7 +185,7 @@ class LlamaModel(nn.Module):
         fb = forward_batch
         opts = fb.kernel_options
         hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        fused = opts is not None and opts.fused_ops
+        fused = opts is not None and (opts.fused_ops or opts.native_cpu)  # rotary from the cos|sin table
         rope = self.rotary_emb.for_batch(positions, hidden.dtype, fused,
                                          fb.req_to_token_pool.max_context_len if fused else 0)
         residual = None

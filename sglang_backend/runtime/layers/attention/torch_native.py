@@ -52,6 +52,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, native_kernels: bool = False):
         kernels = native.kernels() if native_kernels else None
         self.native_attention = kernels.paged_attention if kernels is not None else None
+        # the model's native rotary kernel stores the new K/V (RadixAttention.forward_qkv)
+        self.supports_fused_kv_store = kernels is not None
 
     def init_forward_metadata(self, fb) -> None:
         self.kv_slots = []  # per request: KV slots of all its tokens (prefix + new)

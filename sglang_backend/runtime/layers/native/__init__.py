@@ -119,6 +119,7 @@ _SIGNATURES = {
     "gguf_dequantize_rows": "tpipipt",
     "paged_attention": "ppppippiiiiffipt",
     "rmsnorm": "pppiifpt",
+    "rope_store_kv": "piiiipppppt",
 }
 _CTYPES = {"i": ctypes.c_int64, "p": ctypes.c_void_p, "f": ctypes.c_float, "t": ctypes.c_int}
 
