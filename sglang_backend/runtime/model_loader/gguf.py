@@ -402,12 +402,19 @@ def _save_tokenizer(gguf_path: str, out_dir: str, config: Any, default_chat_temp
 
     ``tokenizer_type``: the model type whose tokenizer class to build, when known. Without it AutoTokenizer
     first derives a config from the GGUF with transformers' generic GGUF loader, which decodes every metadata
-    value (20-30 s for Gemma 3's 262k-token vocabulary on 2 cores) only to pick that class. (transformers has
-    no tokenizer mapping for ``llama``: its GGUFs, with their smaller vocabularies, take the generic way.)"""
-    from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
+    value (20-30 s for Gemma 3's 262k-token vocabulary on 2 cores) only to pick that class. None (llama):
+    transformers has no tokenizer mapping for ``llama``, so its generic fast tokenizer is built directly."""
+    # deferred: transformers takes seconds to import
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
-                                        gguf_file=os.path.basename(gguf_path), tokenizer_type=tokenizer_type)
+    where = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(gguf_path)),
+                 gguf_file=os.path.basename(gguf_path))
+    if tokenizer_type is None:
+        # AutoTokenizer lands on the generic fast tokenizer (no mapping for llama) after deriving a whole config
+        # with the slow generic reader: 7.3 s against 0.45 s for SmolLM2's 49k vocabulary, same saved files.
+        tok = PreTrainedTokenizerFast.from_pretrained(**where)
+    else:
+        tok = AutoTokenizer.from_pretrained(**where, tokenizer_type=tokenizer_type)
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     if default_chat_template is not None and not tok.chat_template:
