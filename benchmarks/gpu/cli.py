@@ -26,24 +26,26 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--hf-parts", default="decode,shared")
     ap.add_argument("--offline-max-requests", type=int, default=64)
     ap.add_argument("--mem-fraction-static", type=float, default=0.9)
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                    help="fp8: online FP8 weights (the floors count one byte per linear weight)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps")
     ap.add_argument("--output", default=None)
     return ap
 
 
-def set_paths(name: str, output: str | None):
+def set_paths(name: str, output: str | None, quantization: str = "none"):
     """The results JSON ($OUT/gpu_<model>.json, else benchmarks/results/) and the tuned kernel configs beside it."""
     out_dir = os.environ.get("OUT") or RESULTS_DIR
-    PATHS.out = output or os.path.join(out_dir, f"gpu_{name.replace('-', '_')}.json")
-    PATHS.kernel_config = os.path.join(os.path.dirname(PATHS.out) or ".",
-                                       f"kernel_config_{name.replace('-', '_')}.json")
+    tag = name.replace("-", "_") + ("" if quantization == "none" else f"_{quantization}")
+    PATHS.out = output or os.path.join(out_dir, f"gpu_{tag}.json")
+    PATHS.kernel_config = os.path.join(os.path.dirname(PATHS.out) or ".", f"kernel_config_{tag}.json")
 
 
 def start_run(args, name: str) -> Context:
     """The JSON's header (model, shape, environment, argv, byte counts) and the sections' context."""
     spec = MODELS[name]
     RESULT.update({"benchmark": "gpu", "model": name, "dtype": spec["dtype"], "config": spec["config"],
-                   "env": env_info(), "argv": sys.argv[1:]})
+                   "quantization": args.quantization, "env": env_info(), "argv": sys.argv[1:]})
     try:
         import triton  # optional here: its version is recorded where it is installed
 
@@ -51,7 +53,7 @@ def start_run(args, name: str) -> Context:
     except ImportError:
         pass
     dtype_bytes = torch.tensor([], dtype=getattr(torch, spec["dtype"])).element_size()
-    mb = model_bytes(spec["config"], dtype_bytes)
+    mb = model_bytes(spec["config"], dtype_bytes, linear_bytes=1 if args.quantization == "fp8" else None)
     RESULT["model_bytes"] = mb
     return Context(args=args, name=name, spec=spec, mb=mb)
 
@@ -67,7 +69,7 @@ def main(argv=None, description: str | None = None) -> int:
     except registry.UnknownSection as e:
         ap.error(str(e))
     name = args.model
-    set_paths(name, args.output)
+    set_paths(name, args.output, args.quantization)
     if not torch.cuda.is_available():
         log("bench_gpu needs a CUDA GPU")
         return 1

@@ -174,10 +174,12 @@ def make_model_dir(name: str) -> str:
     return d
 
 
-def model_bytes(cfg, dtype_bytes: int) -> dict:
+def model_bytes(cfg, dtype_bytes: int, linear_bytes: int | None = None) -> dict:
     """Parameter and byte counts behind the bandwidth floor (weights + KV read per decode step) and the prefill
     FLOP count. A mixture of experts counts the experts a token runs (``matmul_params``, ``weight_bytes`` at
-    batch 1); ``weight_bytes_at`` gives the bytes at a batch, with the experts a random routing touches."""
+    batch 1); ``weight_bytes_at`` gives the bytes at a batch, with the experts a random routing touches.
+    ``linear_bytes``: bytes per weight of the decoder's dense linear layers (1 with FP8; the embedding, LM head,
+    norms, router and experts keep ``dtype_bytes``)."""
     h, i, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = head_dim(cfg)
@@ -188,7 +190,9 @@ def model_bytes(cfg, dtype_bytes: int) -> dict:
     per_layer = attn + mlp
     linear_params = L * per_layer + V * h + h  # layers + lm_head + final norm (the embedding is only gathered)
     kv_per_token = 2 * L * Hkv * d * dtype_bytes
-    return {"read_params": linear_params, "weight_bytes": linear_params * dtype_bytes, "kv_bytes_per_token": kv_per_token,
+    dense_linear = L * (h * (H + 2 * Hkv) * d + H * d * h + (0 if experts else 3 * h * i))
+    weight_bytes = linear_params * dtype_bytes - dense_linear * (dtype_bytes - (linear_bytes or dtype_bytes))
+    return {"read_params": linear_params, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
             "matmul_params": L * (per_layer - 2 * h), "lm_head_params": V * h, "layers": L, "heads": H, "head_dim": d,
             "experts": experts, "top_k": top_k, "expert_bytes": expert_params * dtype_bytes}
 
@@ -245,7 +249,7 @@ def engine_for(ctx: Context, **overrides) -> Iterator[Any]:
     """An engine for ``ctx``'s model (``overrides``: extra Engine arguments, e.g. an ablation's switch), set as
     ``ctx.eng`` while the block runs and shut down after it, its GPU memory handed back before the next one."""
     eng = make_engine(make_model_dir(ctx.name), ctx.spec["dtype"], mem_fraction_static=ctx.args.mem_fraction_static,
-                      **overrides)
+                      quantization=getattr(ctx.args, "quantization", "none"), **overrides)
     if not overrides:  # the run's shared engine: its pool and graph sizes go into the JSON
         mr = eng.scheduler.model_runner
         RESULT["engine"] = {"max_total_num_tokens": mr.max_total_num_tokens,

@@ -298,3 +298,75 @@ def random_extend_case(rng: random.Random, long: bool = False):
     prefix = [rng.choice([0, rng.randint(1, hi)]) for _ in range(bs)]
     extend = [rng.randint(1, hi) for _ in range(bs)]
     return prefix, extend
+
+
+def check_fp8(device, dtype, hidden=320, inter=448, num_heads=8, num_kv_heads=2, head_dim=64, seed=0):
+    """FP8 weights (layers/fp8.py): the row quantizer vs its torch reference (``*.mismatch``: the fraction of
+    quants or scales that differ, expected 0), the FP8 GEMV in every fused form vs float64 products with the
+    dequantized weight, and the ``_scaled_mm`` linear vs float64 products of the dequantized quantized rows."""
+    # Needs triton (the layers below import it): deferred so that this module imports without it.
+    from sglang_backend.runtime.layers import fp8
+    from sglang_backend.runtime.layers.attention.triton_ops import fused_ops
+    from sglang_backend.runtime.layers.attention.triton_ops.fp8_quant import quantize_rows_triton
+    from sglang_backend.runtime.layers.attention.triton_ops.gemv import RopeStore, gemv
+
+    gen = torch.Generator().manual_seed(seed)
+    errs = {}
+
+    def weight(n, k):
+        w = (torch.randn(n, k, generator=gen) / k**0.5) * (1 + 4 * torch.rand(n, 1, generator=gen))
+        q, s = fp8.quantize_weight(w.to(device))
+        return q, s, q.double() * s.double()[:, None]
+
+    for rows, k in ((1, hidden), (37, inter), (300, 4096 + 5)):
+        x = (torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 10).to(device, dtype)
+        q, s = quantize_rows_triton(x)
+        q_ref, s_ref = fp8.quantize_rows_reference(x)
+        errs[f"quantize_rows_{rows}x{k}.mismatch"] = float((q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean())
+        errs[f"quantize_rows_{rows}x{k}.scale_mismatch"] = float((s != s_ref).float().mean())
+    for n, k in ((inter + 16, hidden), (hidden, inter)):
+        w, s, w_ref = weight(n, k)
+        b = torch.randn(n, generator=gen).to(device, dtype)
+        xv = torch.randn(1, k, generator=gen).to(device, dtype)
+        ref = xv.double() @ w_ref.T
+        errs[f"fp8_gemv_{n}x{k}"] = rel_err(gemv(xv, w, weight_scale=s), ref)
+        errs[f"fp8_gemv_bias_{n}x{k}"] = rel_err(gemv(xv, w, b, weight_scale=s), ref + b.double())
+        for m in (2, 37, 300):
+            x = torch.randn(m, k, generator=gen).to(device, dtype)
+            xq, xs = fp8.quantize_rows_reference(x)
+            ref = (xq.double() * xs.double()) @ w_ref.T + b.double()
+            errs[f"fp8_linear_{m}x{k}x{n}"] = rel_err(fp8.linear(x, w, s, b), ref)
+    # Fused forms at batch 1 vs the unfused FP8 GEMV and the fused-op kernels.
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
+    res = torch.randn(1, hidden, generator=gen).to(device, dtype)
+    w_gu, s_gu, ref_gu = weight(2 * inter, hidden)
+    w_dn, s_dn, ref_dn = weight(hidden, inter)
+    normed = fused_ops.rmsnorm(res, norm_w, 1e-5)
+    errs["fp8_gemv_norm"] = rel_err(gemv(res, w_gu, norm_weight=norm_w, eps=1e-5, weight_scale=s_gu),
+                                    normed.double() @ ref_gu.T)
+    h_ref = fused_ops.silu_and_mul(gemv(normed, w_gu, weight_scale=s_gu))
+    h = gemv(res, w_gu, norm_weight=norm_w, eps=1e-5, silu_mul=True, weight_scale=s_gu)
+    errs["fp8_gemv_norm_silu"] = rel_err(h, h_ref)
+    r2 = res.clone()
+    gemv(h, w_dn, residual=r2, weight_scale=s_dn)
+    errs["fp8_gemv_residual"] = rel_err(r2, res.double() + h.double() @ ref_dn.T)
+    H, Hkv, D = num_heads, num_kv_heads, head_dim
+    w_qkv, s_qkv, _ = weight((H + 2 * Hkv) * D, hidden)
+    half = D // 2
+    inv = 1.0 / (10000 ** (torch.arange(0, half, dtype=torch.float32) / half))
+    ang = torch.arange(512, dtype=torch.float32)[:, None] * inv[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], -1).to(device)
+    k_buf = torch.zeros(64, Hkv, D, device=device, dtype=dtype)
+    v_buf = torch.zeros_like(k_buf)
+    pos1 = torch.tensor([int(torch.randint(0, 512, (1,), generator=gen))], device=device)
+    loc1 = torch.tensor([int(torch.randint(1, 64, (1,), generator=gen))], device=device)
+    ref_qkv = gemv(res, w_qkv, norm_weight=norm_w, eps=1e-5, weight_scale=s_qkv)
+    k_ref, v_ref = torch.zeros_like(k_buf), torch.zeros_like(v_buf)
+    fused_ops.rope_and_store_kv(ref_qkv, pos1, cos_sin, H, Hkv, D, loc1, k_ref, v_ref)
+    k_out, v_out = torch.full_like(k_buf, float("nan")), torch.full_like(v_buf, float("nan"))
+    out = gemv(res, w_qkv, norm_weight=norm_w, eps=1e-5, weight_scale=s_qkv,
+               rope=RopeStore(pos1, cos_sin, H, Hkv, D, loc1, k_out, v_out))
+    errs["fp8_gemv_rope"] = rel_err(out, ref_qkv)
+    errs["fp8_gemv_rope.k"] = rel_err(k_out[loc1], k_ref[loc1])
+    errs["fp8_gemv_rope.v"] = rel_err(v_out[loc1], v_ref[loc1])
+    return errs

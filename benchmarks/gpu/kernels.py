@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu.common import MODELS, PATHS, RESULT, TUNED, cuda_time, graph_time, head_dim, log, section
-from benchmarks.gpu.kernel_checks import check_decode, check_extend, check_fused_ops
+from benchmarks.gpu.kernel_checks import check_decode, check_extend, check_fp8, check_fused_ops
 from sglang_backend.runtime.layers.kernel_options import KernelConfigs, load_kernel_configs
 
 
@@ -45,6 +45,9 @@ def bench_correctness():
             res[key] = {"decode_rel_err": d, "extend_rel_err": e}
         res[f"{dn}_fused_ops"] = check_fused_ops("cuda", dtype, T=64, hidden=4096, inter=11008, num_heads=32,
                                                  num_kv_heads=8, head_dim=128)
+        if torch.cuda.get_device_capability() >= (8, 9):  # FP8 GEMMs: Ada, Hopper
+            res[f"{dn}_fp8"] = check_fp8("cuda", dtype, hidden=4096, inter=14336, num_heads=32, num_kv_heads=8,
+                                         head_dim=128, seed=rng.randint(0, 1 << 30))
     RESULT["kernel_errors"] = res
     for k, v in res.items():
         log(k, {a: f"{b:.2e}" for a, b in v.items()})

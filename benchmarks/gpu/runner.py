@@ -162,17 +162,20 @@ def bench_runner(eng, mb: dict, name: str):
 # tiles, more warps or stages.
 GEMV_STEP_CANDIDATES = [[4, 1024, 4, 3], [2, 1024, 4, 3], [2, 2048, 4, 3], [1, 2048, 4, 3], [4, 2048, 8, 2],
                         [4, 1024, 4, 4], [4, 1024, 8, 3], [4, 512, 4, 4], [4, 512, 2, 4], [2, 1024, 2, 4],
-                        [8, 1024, 4, 3], [8, 512, 4, 3], [16, 256, 4, 3]]
+                        [8, 1024, 4, 3], [8, 512, 4, 3], [16, 256, 4, 3],
+                        # longer K tiles for FP8 weights (half the bytes per element)
+                        [8, 2048, 4, 3], [8, 2048, 8, 3], [4, 4096, 8, 3], [2, 4096, 4, 3]]
 
 
 def gemv_weight_shapes(mr) -> dict:
-    """Weight name -> the "N,K,silu" key of its shape in KernelConfigs.gemv_shapes."""
+    """Weight name -> the "N,K,silu" key of its shape in KernelConfigs.gemv_shapes (",fp8" appended for FP8)."""
     lm = getattr(mr.model, "language_model", mr.model)
     layer = lm.model.layers[0]
     shapes = {"qkv": (layer.self_attn.qkv_proj.weight, False), "o": (layer.self_attn.o_proj.weight, False),
               "gate_up": (layer.mlp.gate_up_proj.weight, True), "down": (layer.mlp.down_proj.weight, False),
               "lm_head": (lm.lm_head_weight, False)}
-    return {k: f"{w.shape[0]},{w.shape[1]},{int(silu)}" for k, (w, silu) in shapes.items()}
+    return {k: f"{w.shape[0]},{w.shape[1]},{int(silu)}" + (",fp8" if w.dtype == torch.float8_e4m3fn else "")
+            for k, (w, silu) in shapes.items()}
 
 
 def coordinate_descent(step_time, shapes: dict, chosen: dict, default_cfg, best_t: float, runs: list) -> float:
@@ -238,6 +241,9 @@ def bench_gemv_step_sweep(eng, mb: dict):
                       torch.full((1,), ctx, device="cuda"), [ctx], logits_indices=torch.arange(1, device="cuda"))
 
     chosen: dict = dict(opts.configs.gemv_shapes)
+    for key in shapes.values():  # each shape starts at the config it runs with now
+        n, k, silu, *fp8 = key.split(",")
+        chosen.setdefault(key, list(opts.configs.gemv_config(int(n), int(k), bool(int(silu)), fp8=bool(fp8))))
 
     def step_time() -> float:
         configs = dataclasses.replace(opts.configs, gemv_shapes=dict(chosen))

@@ -18,7 +18,8 @@ import json
 import statistics
 import time
 
-from benchmarks.peers.ours import OurClient, make_engine, server_arg_overrides
+from benchmarks.peers.child import server_arg_overrides
+from benchmarks.peers.ours import OurClient, make_engine
 from benchmarks.peers.sections import SECTIONS, expand
 from benchmarks.peers.workloads import FULL, SMOKE
 from benchmarks.gpu.common import MODELS

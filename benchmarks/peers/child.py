@@ -74,3 +74,18 @@ def run_sections(side: str, client, vocab: int, args, result: dict,
             log(side, f"cache {args.cache}: {name} FAILED\n{result['errors'][name]}")
         write_json(args.out, result)
     return failed
+
+
+def server_arg_overrides(items: list[str]) -> dict:
+    """``KEY=VALUE`` strings as keyword overrides (our ServerArgs, vLLM's LLM); VALUE parsed as JSON (true, 0.5,
+    "x"), else kept as a string."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"expected KEY=VALUE, not {item!r}")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.replace("-", "_")] = value
+    return out

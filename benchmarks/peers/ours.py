@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from benchmarks.gpu.common import MODELS, make_model_dir
-from benchmarks.peers.child import child_parser, log, new_result, run_sections, write_json
+from benchmarks.peers.child import child_parser, log, new_result, run_sections, server_arg_overrides, write_json
 from benchmarks.peers.workloads import random_prompts
 
 GREEDY = {"ignore_eos": True, "temperature": 0}
@@ -72,20 +72,6 @@ def make_engine(model: str, device: str, cache_on: bool, mem_fraction: float, **
     kw.update(overrides)
     return Engine(model_path=make_model_dir(model), load_format="dummy", device=device, random_seed=0,
                   disable_radix_cache=not cache_on, log_level="warning", **kw)
-
-
-def server_arg_overrides(items: list[str]) -> dict:
-    """``KEY=VALUE`` strings as ServerArgs overrides; VALUE parsed as JSON (true, 0.5, "x"), else kept as a string."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--server-arg takes KEY=VALUE, not {item!r}")
-        try:
-            out[key.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.replace("-", "_")] = value
-    return out
 
 
 def engine_info(eng, init_s: float) -> dict:

@@ -107,7 +107,7 @@ def child_command(args, phase: Phase, out: str) -> list[str]:
     spec = MODELS[args.model]
     return [sys.executable, "-m", "benchmarks.peers.vllm_side", "--model-dir", vllm_model_dir(args.model),
             "--dtype", spec["dtype"], "--vocab", str(spec["config"]["vocab_size"]),
-            "--mem-fraction", str(args.vllm_mem_fraction), *common]
+            "--mem-fraction", str(args.vllm_mem_fraction), *[f"--llm-arg={a}" for a in args.vllm_arg], *common]
 
 
 def child_env(args, side: str) -> dict:
@@ -240,6 +240,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ours-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="one more ServerArgs field for our engine (repeatable), e.g. disable_cuda_graph=true")
     ap.add_argument("--vllm-mem-fraction", type=float, default=0.9, help="vLLM's gpu_memory_utilization")
+    ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more vllm.LLM keyword (repeatable), e.g. quantization=fp8")
     ap.add_argument("--vllm-site", default="/tmp/site", help="put first on the vLLM children's PYTHONPATH if present")
     ap.add_argument("--quiet", action="store_true", help="print only the benchmark's own lines (logs keep all)")
     return ap.parse_args(argv)

@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 
-from benchmarks.peers.child import child_parser, log, new_result, run_sections, write_json
+from benchmarks.peers.child import child_parser, log, new_result, run_sections, server_arg_overrides, write_json
 
 # vLLM's environment on the offline GPU machine (setdefault: a caller's value wins).
 ENV_DEFAULTS = {
@@ -101,6 +101,7 @@ def start_llm(args, result: dict):
                           torch_cuda=torch.version.cuda, python=sys.version.split()[0])
     llm_kwargs = dict(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
                       enable_prefix_caching=args.cache == "on", gpu_memory_utilization=args.mem_fraction, seed=0)
+    llm_kwargs.update(server_arg_overrides(args.llm_arg))
     result["info"]["llm_kwargs"] = llm_kwargs
     t0 = time.perf_counter()
     llm = vllm.LLM(**llm_kwargs)
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", required=True, help="a directory holding the model's config.json")
     ap.add_argument("--dtype", required=True)
     ap.add_argument("--vocab", type=int, required=True)
+    ap.add_argument("--llm-arg", action="append", default=[], metavar="KEY=VALUE", help="one more LLM keyword")
     args = ap.parse_args(argv)
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)

@@ -11,7 +11,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "random")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer", "fa3")
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "fp8")
 GEMV_MODES = ("auto", "off", "on", "fused", "fused_rope")  # resolved by layers/kernel_options.py
 ATTENTION_MERGES = ("fused", "stage2")
 EMBEDDING_POOLINGS = ("last", "mean")  # an embedding: the last prompt token's final hidden state, or their mean
@@ -25,7 +25,7 @@ class ServerArgs:
     load_format: str = field(default="auto", metadata={"help": "auto (weights from model_path) or dummy (random weights from its config)", "choices": LOAD_FORMATS})
     dtype: str = field(default="auto", metadata={"help": "auto: float32 on CPU, bfloat16 on GPU when supported", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
-    quantization: str = field(default="auto", metadata={"help": "auto: weights a checkpoint stores quantized (a GGUF's Q4_0/Q4_1/Q8_0 blocks) stay quantized on a float32 CPU run when the native kernels build here (AVX2, a C compiler), else are dequantized at load; none: always dequantize at load", "choices": QUANTIZATIONS})
+    quantization: str = field(default="auto", metadata={"help": "auto: weights a checkpoint stores quantized stay quantized where kernels for them run here (a GGUF's blocks on a float32 CPU run when the native kernels build; an FP8 checkpoint on a GPU of compute capability 8.9+), else are dequantized at load; none: always dequantize at load; fp8: FP8 (e4m3) linear weights with per-row scales, quantized at load from a float checkpoint (layers/fp8.py)", "choices": QUANTIZATIONS})
     context_length: int | None = field(default=None, metadata={"help": "Override the model's max context length"})
     served_model_name: str | None = field(default=None, metadata={"help": "Model name(s) reported by /v1/models: comma-separated aliases, the first is the main one (default: the model path). Requests may name any model; the one model answers"})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling"})

@@ -51,6 +51,8 @@ class KernelConfigs:
     gemv: tuple = (4, 1024, 4, 3)
     # Per-shape overrides, keyed "rows,cols,silu_mul" (e.g. "22016,4096,1"): what gemv_step_sweep writes.
     gemv_shapes: dict = field(default_factory=dict)
+    # The same for FP8 weights (half the bytes per tile); per-shape overrides keyed "rows,cols,silu_mul,fp8".
+    gemv_fp8: tuple = (4, 512, 2, 4)
     # Decode attention stage 1 (BLOCK_N, num_warps, num_stages, head_fastest) for small batches (the sequence
     # split many ways) and large ones (from decode_large_batch up); MHA through tl.dot, GQA with the query heads
     # of a KV head as the rows of one tile (bench_gpu attn_sweep).
@@ -70,8 +72,9 @@ class KernelConfigs:
     # matches all); shapes not listed use fused_moe's built-in table (benchmarks/bench_moe.py --sweep).
     fused_moe_shapes: dict = field(default_factory=dict)
 
-    def gemv_config(self, rows: int, cols: int, silu_mul: bool) -> tuple:
-        return tuple(self.gemv_shapes.get(f"{rows},{cols},{int(silu_mul)}", self.gemv))
+    def gemv_config(self, rows: int, cols: int, silu_mul: bool, fp8: bool = False) -> tuple:
+        key = f"{rows},{cols},{int(silu_mul)}" + (",fp8" if fp8 else "")
+        return tuple(self.gemv_shapes.get(key, self.gemv_fp8 if fp8 else self.gemv))
 
     def decode_config(self, mha: bool, bs: int) -> tuple:
         table = self.decode_mha if mha else self.decode_gqa
@@ -92,7 +95,7 @@ class KernelConfigs:
         for k, v in data.items():
             if k in ("decode_mha", "decode_gqa"):
                 v = {**getattr(base, k), **{size: tuple(c) for size, c in v.items()}}
-            elif k in ("gemv", "decode_prefix"):
+            elif k in ("gemv", "gemv_fp8", "decode_prefix"):
                 v = tuple(v)
             elif k == "gemv_shapes":
                 v = {key: tuple(c) for key, c in v.items()}

@@ -12,6 +12,9 @@ Each layer holds only this rank's shard and knows how to cut it from a full (uns
 * Vocab-parallel: rows of the embedding split by token id (padded to a multiple of tp_size); out-of-shard
   ids give zeros and the all-reduce adds the one real row. The LM head gathers the logit columns.
 
+A column- or row-parallel linear may hold FP8 weights (``Fp8Weight``, see ``fp8``): an e4m3 ``weight`` plus a
+``weight_scale`` per output row.
+
 On the CPU a layer may keep GGUF blocks instead of a float weight (``keep_blocks``, see ``gguf_quant``): its
 ``weight`` is then uint8 ``[rows, row_bytes]`` and ``forward`` multiplies by it with the block kernels.
 
@@ -28,7 +31,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size, split_evenly
-from . import gguf_quant
+from . import fp8, gguf_quant
 from .kernel_options import KernelOptions
 
 try:  # optional: triton (the GPU GEMV)
@@ -55,7 +58,49 @@ class BlockWeight:
         self.block_in_features = in_features
 
 
-class ColumnParallelLinear(BlockWeight, nn.Linear):
+class Fp8Weight:
+    """Mixin: the layer's weight may be FP8 (e4m3) with one fp32 scale per output row (``weight_scale``)."""
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == fp8.FP8
+
+    def keep_fp8(self) -> None:
+        """Before loading an FP8 checkpoint: an e4m3 weight and its scales, filled by load_full."""
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=fp8.FP8, device=w.device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(w.shape[0], dtype=torch.float32, device=w.device),
+                                         requires_grad=False)
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Online FP8: the loaded float weight becomes e4m3 with per-row scales (its float copy is freed)."""
+        q, scale = fp8.quantize_weight(self.weight)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    @torch.no_grad()
+    def dequantize_fp8(self, dtype: torch.dtype) -> None:
+        """An FP8 checkpoint served unquantized: the float weight back, the scales dropped."""
+        self.weight = nn.Parameter(fp8.dequantize(self.weight, self.weight_scale, dtype), requires_grad=False)
+        del self.weight_scale
+
+    def fp8_linear(self, x: torch.Tensor, opts: KernelOptions | None, bias: torch.Tensor | None) -> torch.Tensor:
+        if opts is not None and opts.use_gemv(x):
+            return gemv(x, self.weight, bias, weight_scale=self.weight_scale, configs=opts.configs, pdl=opts.pdl)
+        return fp8.linear(x, self.weight, self.weight_scale, bias)
+
+    def load_scale(self, param: torch.Tensor, full: torch.Tensor, rows: tuple[int, int]) -> None:
+        """Checkpoint scales of rows ``rows`` = (first, count) of ``param``: one per tensor (a scalar) or per
+        row (``[count]`` or ``[count, 1]``)."""
+        first, n = rows
+        full = full.float().reshape(-1)
+        if full.numel() not in (1, n):
+            raise ValueError(f"weight_scale has {full.numel()} values, expected 1 or {n}")
+        param.narrow(0, first, n).copy_(full.expand(n))
+
+
+class ColumnParallelLinear(BlockWeight, Fp8Weight, nn.Linear):
     """``parts``: the logical outputs fused into this matmul, as (full size, first row kept, rows kept)."""
 
     def __init__(self, in_features: int, parts: list[tuple[int, int, int]], bias: bool):
@@ -65,6 +110,8 @@ class ColumnParallelLinear(BlockWeight, nn.Linear):
     def forward(self, x: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
         if self.gguf_type is not None:
             return gguf_quant.matmul(x, self.weight, self.gguf_type, self.bias)
+        if self.is_fp8:
+            return self.fp8_linear(x, opts, self.bias)
         if opts is not None and opts.use_gemv(x):
             return gemv(x, self.weight, self.bias, configs=opts.configs, pdl=opts.pdl)
         return super().forward(x)
@@ -75,7 +122,8 @@ class ColumnParallelLinear(BlockWeight, nn.Linear):
         the norm kernel); ``silu_mul``: this is a [gate; up] projection and the output is silu(gate) * up;
         ``rope`` (gemv.RopeStore): this is the qkv projection, q and k come out rotated, k and v stored."""
         return gemv(residual, self.weight, self.bias, norm_weight=norm.weight, eps=norm.eps, silu_mul=silu_mul,
-                    rope=rope, configs=opts.configs, pdl=opts.pdl)
+                    rope=rope, weight_scale=self.weight_scale if self.is_fp8 else None, configs=opts.configs,
+                    pdl=opts.pdl)
 
     @classmethod
     def even(cls, in_features: int, sizes: list[int], bias: bool, what: str) -> "ColumnParallelLinear":
@@ -88,7 +136,13 @@ class ColumnParallelLinear(BlockWeight, nn.Linear):
 
     def load_full(self, param: torch.Tensor, full: torch.Tensor, part: int | None = None) -> None:
         """Copies this rank's rows of ``full`` into ``param``: ``full`` is logical output ``part`` (a q_proj
-        weight, say) or, with part None, all of them concatenated."""
+        weight, say) or, with part None, all of them concatenated. FP8 scales come per part."""
+        if param is getattr(self, "weight_scale", None):
+            if part is None:
+                raise ValueError("a fused weight_scale must come per part (q/k/v, gate/up)")
+            _, start, n = self.parts[part]
+            return self.load_scale(param, full if full.numel() == 1 else full.reshape(-1).narrow(0, start, n),
+                                   (sum(p[2] for p in self.parts[:part]), n))
         if part is None:
             _check_shape(full, self.full_shape(param))
             pieces = full.split([p[0] for p in self.parts], dim=0)
@@ -100,7 +154,7 @@ class ColumnParallelLinear(BlockWeight, nn.Linear):
         param.narrow(0, offset, n).copy_(full.narrow(0, start, n))
 
 
-class RowParallelLinear(BlockWeight, nn.Linear):
+class RowParallelLinear(BlockWeight, Fp8Weight, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, what: str = "in_features"):
         local = split_evenly(in_features, what)
         super().__init__(local, out_features, bias=bias)
@@ -111,7 +165,11 @@ class RowParallelLinear(BlockWeight, nn.Linear):
     def forward(self, x: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
         if self.gguf_type is not None:  # kept only at tp_size 1 (CausalLM.keep_gguf_blocks)
             return gguf_quant.matmul(x, self.weight, self.gguf_type, self.bias)
-        if opts is not None and opts.use_gemv(x):
+        if self.is_fp8:
+            if self.tp_size == 1:
+                return self.fp8_linear(x, opts, self.bias)
+            out = all_reduce(self.fp8_linear(x, opts, None))
+        elif opts is not None and opts.use_gemv(x):
             if self.tp_size == 1:
                 return gemv(x, self.weight, self.bias, configs=opts.configs, pdl=opts.pdl)
             out = all_reduce(gemv(x, self.weight, configs=opts.configs, pdl=opts.pdl))
@@ -127,14 +185,17 @@ class RowParallelLinear(BlockWeight, nn.Linear):
         if self.tp_size > 1 or self.gguf_type is not None:
             residual.add_(self.forward(x, opts))
         else:
-            gemv(x, self.weight, self.bias, residual=residual, configs=opts.configs, pdl=opts.pdl)
+            gemv(x, self.weight, self.bias, residual=residual, weight_scale=self.weight_scale if self.is_fp8 else None,
+                 configs=opts.configs, pdl=opts.pdl)
 
     def full_shape(self, param: torch.Tensor) -> tuple:
-        if param is self.bias or self.gguf_type is not None:  # blocks: tp_size 1, the whole row of bytes
+        if param is self.bias or self.gguf_type is not None or param.dim() == 1:  # blocks: tp_size 1, whole rows
             return tuple(param.shape)
         return (param.shape[0], self.full_in)
 
     def load_full(self, param: torch.Tensor, full: torch.Tensor, part: int | None = None) -> None:
+        if param is getattr(self, "weight_scale", None):  # per output row: every rank keeps all of them
+            return self.load_scale(param, full, (0, param.shape[0]))
         _check_shape(full, self.full_shape(param))
         param.copy_(full if param is self.bias else full.narrow(1, self.in_start, param.shape[1]))
 

@@ -9,6 +9,7 @@ import torch
 from ..mem_cache.memory_pool import MHATokenToKVPool, MirroredReqToTokenPool, ReqToTokenPool, TokenToKVPoolAllocator
 from ..distributed.followers import ReqToTokenWriteLog, TPFollowers, release_graphs
 from ..distributed.parallel_state import all_reduce_min, check_tp_config, kv_head_range, split_evenly
+from ..layers import fp8
 from ..layers.kernel_options import KernelOptions
 from ..model_loader.loader import gguf_block_types, iterate_weights
 from ..models.llama import LlamaForCausalLM, head_dim_of
@@ -97,15 +98,11 @@ class ModelRunner:
     def _load_model(self, model_dir: str | None) -> None:
         torch.manual_seed(self.server_args.random_seed)
         model_cls = get_model_class(self.config)
+        fp8_checkpoint, serve_fp8 = self._fp8_plan()
+        fp8_kept = fp8_checkpoint and serve_fp8  # else dequantized at load (and requantized online if serving FP8)
         if self.device == "cpu":
             with torch.device("cpu"):
                 model = model_cls(self.config)
-            if self.server_args.load_format == "dummy":
-                model.init_dummy_weights(self.server_args.random_seed)
-            else:
-                self.quantized_params = self._keep_quantized(model, model_dir)
-                model.load_weights(iterate_weights(model_dir))
-            self.model = model.to(device=self.device, dtype=self.dtype).eval()  # uint8 blocks stay uint8
         else:
             # Build the parameters directly on the GPU in the target dtype: no fp32 copy on the host.
             prev = torch.get_default_dtype()
@@ -115,13 +112,51 @@ class ModelRunner:
                     model = model_cls(self.config)
             finally:
                 torch.set_default_dtype(prev)
-            if self.server_args.load_format == "dummy":
-                self._init_dummy_weights(model)
-            else:
-                model.load_weights(iterate_weights(model_dir))
-            self.model = model.to(self.device).eval()  # buffers made on the host (rope init) move too
+        if fp8_checkpoint:
+            for layer in model.fp8_layers():
+                layer.keep_fp8()
+        if self.server_args.load_format == "dummy" and self.device == "cpu":
+            model.init_dummy_weights(self.server_args.random_seed)
+        elif self.server_args.load_format == "dummy":
+            self._init_dummy_weights(model)
+        else:
+            if self.device == "cpu":
+                self.quantized_params = self._keep_quantized(model, model_dir)
+            model.load_weights(iterate_weights(model_dir))
+        if fp8_checkpoint and not fp8_kept:
+            for layer in model.fp8_layers():
+                layer.dequantize_fp8(self.dtype)
+        if self.device == "cpu":  # built in fp32 on the host: floats to the run's dtype (uint8 blocks, e4m3 stay)
+            model = model._apply(lambda t: t.to(self.dtype) if t.is_floating_point() and t.dtype != fp8.FP8 else t)
+        else:
+            model = model.to(self.device)  # buffers made on the host (rope init) move too
+        if serve_fp8 and not fp8_kept:
+            for layer in model.fp8_layers():
+                if layer.gguf_type is None:
+                    layer.quantize_fp8()
+        self.fp8 = serve_fp8
+        self.model = model.eval()
         # The rope frequencies stay fp32 (HF keeps inv_freq in fp32 too).
         self.model.model.rotary_emb.inv_freq = self.model.model.rotary_emb.inv_freq.float()
+
+    def _fp8_plan(self) -> tuple[bool, bool]:
+        """(the checkpoint's linear weights are FP8, serve them as FP8): ``--quantization fp8`` always (online
+        from a float checkpoint), ``auto`` when the checkpoint is FP8 and the GPU runs FP8 GEMMs, ``none`` never."""
+        sa = self.server_args
+        scheme = fp8.checkpoint_scheme(self.text_config) if sa.load_format != "dummy" else None
+        checkpoint = scheme == "fp8"
+        if sa.quantization == "fp8":
+            if not fp8.gpu_supports_fp8(self.device):
+                raise ValueError(f"--quantization fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                                 f"{torch.cuda.get_device_name(self.device)} is "
+                                 f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+            return checkpoint, True
+        if sa.quantization == "auto" and checkpoint and self.device != "cpu" and fp8.gpu_supports_fp8(self.device):
+            return True, True
+        if checkpoint:
+            logger.info("FP8 checkpoint: weights dequantized to %s at load (--quantization %s, device %s)",
+                        self.dtype, sa.quantization, self.device)
+        return checkpoint, False
 
     def _keep_quantized(self, model, model_dir: str) -> list[str]:
         """CPU, float32: the layers whose checkpoint weights are GGUF blocks keep them (``--quantization``)."""

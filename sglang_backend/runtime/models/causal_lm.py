@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ..distributed.parallel_state import get_tp_size
-from ..layers import gguf_quant
+from ..layers import fp8, gguf_quant
 from ..layers.kernel_options import KernelOptions
-from ..layers.linear import BlockWeight, VocabParallelEmbedding, vocab_parallel_logits
+from ..layers.linear import BlockWeight, Fp8Weight, VocabParallelEmbedding, vocab_parallel_logits
 
 
 class CausalLM(nn.Module):
@@ -85,11 +85,18 @@ class CausalLM(nn.Module):
             kept.append(target)
         return kept
 
+    def fp8_layers(self) -> list[Fp8Weight]:
+        """The linear layers FP8 applies to: every column- and row-parallel linear of the decoder (not the
+        embedding, the LM head or MoE experts)."""
+        return [m for m in self.model.modules() if isinstance(m, Fp8Weight)]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            if name.endswith(".input_scale"):  # FP8 static activation scales: we scale activations per token
                 continue
             target, shard = self._checkpoint_target(name)
             if target not in params:
@@ -121,9 +128,11 @@ class CausalLM(nn.Module):
         """Every piece load_weights must see once (fused parameters are filled piece by piece)."""
         expected = set()
         for name in params:
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            module, _, leaf = name.rpartition(".")
+            fused_leaf = leaf in ("weight", "bias", "weight_scale")
+            if fused_leaf and module.endswith("qkv_proj"):
                 expected |= {f"{name}#{i}" for i in range(3)}
-            elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
+            elif fused_leaf and module.endswith("gate_up_proj"):
                 expected |= {f"{name}#{i}" for i in range(2)}
             elif name.endswith(".w13") or name.endswith(".w2"):
                 kinds = (2,) if name.endswith(".w2") else (0, 1)
@@ -143,6 +152,9 @@ class CausalLM(nn.Module):
         owner = self._owner(target)
         if isinstance(full, gguf_quant.GGUFBlocks):  # kept as blocks (keep_gguf_blocks) or dequantized here
             full = full.data if param.dtype == torch.uint8 else full.dequantize()
+        if (full.dtype == fp8.FP8) != (param.dtype == fp8.FP8):  # an e4m3 value is meaningless without its scale
+            raise ValueError(f"is {full.dtype} but the parameter is {param.dtype} (FP8 checkpoints: the decoder's "
+                             "linear layers only, all of them)")
         if hasattr(owner, "load_full"):  # the tensor-parallel layers cut their shard
             owner.load_full(param, full, part)
         elif param.shape != full.shape:  # norms: replicated

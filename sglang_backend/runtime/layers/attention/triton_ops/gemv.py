@@ -13,6 +13,9 @@ unfused kernels in fused_ops.py:
 * ``residual``: y is added into ``residual`` in place (each program owns its output columns) and returned;
 * ``rope``: W is the fused qkv projection; each program computes rows f and f + head_dim/2 of one head, rotates
   them (q, k) and also writes k and v into the KV pool (the rope_and_store_kv kernel folded in).
+
+``weight_scale``: W is FP8 (e4m3, layers/fp8.py) with one fp32 scale per row; each row's sum is multiplied by
+its scale before the bias (the activation stays unquantized: at batch 1 only the weight bytes matter).
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ def _load_x(X, NW, offs_k, mask_k, rstd, NORM: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, NW, N, K, stride_w, eps,
+def _gemv_kernel(X, W, B, Y, NW, WS, N, K, stride_w, eps,
                  Positions, CosSin, Loc, KBuf, VBuf, stride_cs, stride_kt, stride_kh, stride_vt, stride_vh,
-                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, ADD_TO_Y: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, ADD_TO_Y: tl.constexpr,
                  ROPE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -84,11 +87,15 @@ def _gemv_kernel(X, W, B, Y, NW, N, K, stride_w, eps,
             acc_u += u.to(tl.float32) * x[None, :]
 
     y = tl.sum(acc, 1)
+    if HAS_SCALE:
+        y *= tl.load(WS + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if SILU_MUL:  # as _silu_and_mul_kernel on the rounded gate/up outputs
         g = y.to(Y.dtype.element_ty).to(tl.float32)
         up = tl.sum(acc_u, 1)
+        if HAS_SCALE:
+            up *= tl.load(WS + N + offs_n, mask=mask_n, other=0.0)
         if HAS_BIAS:
             up += tl.load(B + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         up = up.to(Y.dtype.element_ty).to(tl.float32)
@@ -98,6 +105,8 @@ def _gemv_kernel(X, W, B, Y, NW, N, K, stride_w, eps,
         y = y.to(Y.dtype.element_ty).to(tl.float32) + r
     if ROPE:  # as _rope_store_kernel, on the rounded qkv outputs of the one token
         y2 = tl.sum(acc_u, 1)
+        if HAS_SCALE:
+            y2 *= tl.load(WS + pair)
         if HAS_BIAS:
             y2 += tl.load(B + pair).to(tl.float32)
         x1 = y.to(Y.dtype.element_ty).to(tl.float32)
@@ -145,10 +154,12 @@ class RopeStore:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, *, norm_weight: torch.Tensor | None = None,
          eps: float = 1e-6, silu_mul: bool = False, residual: torch.Tensor | None = None,
-         rope: RopeStore | None = None, configs: KernelConfigs | None = None, pdl: bool = False) -> torch.Tensor:
+         rope: RopeStore | None = None, weight_scale: torch.Tensor | None = None,
+         configs: KernelConfigs | None = None, pdl: bool = False) -> torch.Tensor:
     """x: [1, K] (contiguous), weight: [N, K] (rows contiguous) -> [1, N] in x's dtype ([1, N/2] with
     ``silu_mul``; ``residual`` itself, updated in place, when given). With ``rope`` the weight is a fused
-    qkv projection: q and k come out rotated, and k and v are also stored in the KV pool."""
+    qkv projection: q and k come out rotated, and k and v are also stored in the KV pool. ``weight_scale``
+    ([rows] fp32): the weight is FP8 with these per-row scales."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
     N, K = weight.shape
     assert x.shape[1] == K, f"gemv: x has {x.shape[1]} features, weight expects {K}"
@@ -163,7 +174,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         y = residual
     else:
         y = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config or (configs or _DEFAULT_CONFIGS).gemv_config(weight.shape[0], K, silu_mul)
+    if weight_scale is not None:
+        assert weight_scale.shape == (weight.shape[0],) and weight_scale.dtype == torch.float32
+    block_n, block_k, warps, stages = config or (configs or _DEFAULT_CONFIGS).gemv_config(
+        weight.shape[0], K, silu_mul, fp8=weight_scale is not None)
     grid = triton.cdiv(N, block_n)
     r = rope
     if r is not None:
@@ -176,10 +190,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         grid = (N // r.head_dim) * (half // block_n)
     _gemv_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, y, norm_weight if norm_weight is not None else x,
-        N, K, weight.stride(0), eps,
+        weight_scale if weight_scale is not None else x, N, K, weight.stride(0), eps,
         *((r.positions, r.cos_sin, r.loc, r.k_buf, r.v_buf, r.cos_sin.stride(0), r.k_buf.stride(0),
            r.k_buf.stride(1), r.v_buf.stride(0), r.v_buf.stride(1)) if r is not None else (x,) * 5 + (0,) * 5),
-        HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU_MUL=silu_mul, ADD_TO_Y=residual is not None,
+        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, NORM=norm_weight is not None, SILU_MUL=silu_mul, ADD_TO_Y=residual is not None,
         ROPE=r is not None, NUM_HEADS=r.num_heads if r else 0, NUM_KV_HEADS=r.num_kv_heads if r else 0,
         HEAD_DIM=r.head_dim if r else 2,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **_pdl.launch_args(x, pdl),
