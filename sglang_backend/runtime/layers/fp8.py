@@ -74,7 +74,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], N)
     xq, xs = quantize_rows(x2)
-    out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, N), out_dtype=x.dtype)
+    # Fast accumulation on the GPU, as vLLM's CUTLASS FP8 kernels use: the tensor cores' partial sums are not
+    # promoted to fp32 every few K steps (the scales are applied once, in the epilogue, either way).
+    out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, N), out_dtype=x.dtype,
+                           use_fast_accum=x2.is_cuda)
     if bias is not None:  # after the scales, in the activation dtype (as an unquantized linear adds it)
         out += bias
     return out.reshape(*x.shape[:-1], N)
