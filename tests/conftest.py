@@ -243,6 +243,34 @@ def _tiny_block_type(name: str) -> str | None:
 def tiny_quantized_dir(tmp_path_factory, tiny_gqa_dir) -> str:
     """tiny_gqa's weights quantized in the test into GGUF blocks (Q4_0, Q4_1, Q8_0; see _tiny_block_type), stored
     as a converted GGUF stores them. The HF reference (load_hf_reference) dequantizes the same blocks."""
+    return _quantized_dir(tmp_path_factory, "tiny_quantized", tiny_gqa_dir, _tiny_block_type)
+
+
+# tiny_kquant_dir's block types: every K-quant, and the Q5 formats; its rows are multiples of 256 columns. Layer 1's
+# q/k/v mix Q5_0 with Q8_0, as Gemma 3's Q4_K_M GGUF does: that fused layer keeps Q8_0 blocks.
+_TINY_KQUANT_TYPES = ((".layers.1.self_attn.q_proj", "Q5_0"), (".layers.1.self_attn.k_proj", "Q5_0"),
+                      (".layers.1.self_attn.v_proj", "Q8_0"),
+                      ("q_proj", "Q4_K"), ("k_proj", "Q4_K"), ("v_proj", "Q4_K"), ("o_proj", "Q5_K"), ("gate_proj", "Q6_K"), ("up_proj", "Q6_K"), ("down_proj", "Q5_0"),
+                      ("embed_tokens", "Q5_1"), ("lm_head", "Q6_K"))
+
+
+def _tiny_kquant_type(name: str) -> str | None:
+    if name.endswith("norm.weight"):
+        return None
+    return next((gguf_type for part, gguf_type in _TINY_KQUANT_TYPES if part in name), None)
+
+
+@pytest.fixture(scope="session")
+def tiny_kquant_dir(tmp_path_factory) -> str:
+    """A tiny Llama (hidden 256, MLP 512: whole blocks of 256) quantized into K-quant and Q5 blocks
+    (_TINY_KQUANT_TYPES), stored as a converted GGUF stores them."""
+    source = _tiny_dir(tmp_path_factory, "tiny_kquant_fp32", hidden_size=256, intermediate_size=512,
+                       num_attention_heads=4, num_key_value_heads=2)
+    return _quantized_dir(tmp_path_factory, "tiny_kquant", source, _tiny_kquant_type)
+
+
+def _quantized_dir(tmp_path_factory, name: str, source: str, block_type) -> str:
+    """``source`` with each weight quantized into the GGUF blocks ``block_type(name)`` says (None: kept float)."""
     import json
     import shutil
 
@@ -251,16 +279,16 @@ def tiny_quantized_dir(tmp_path_factory, tiny_gqa_dir) -> str:
     from sglang_backend.runtime.layers import gguf_quant
     from sglang_backend.runtime.model_loader.loader import iterate_weights
 
-    out = str(tmp_path_factory.mktemp("tiny_quantized"))
-    for name in os.listdir(tiny_gqa_dir):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(tiny_gqa_dir, name), out)
+    out = str(tmp_path_factory.mktemp(name))
+    for file in os.listdir(source):
+        if not file.endswith(".safetensors"):
+            shutil.copy(os.path.join(source, file), out)
     tensors, types = {}, {}
-    for name, tensor in iterate_weights(tiny_gqa_dir):
-        gguf_type = _tiny_block_type(name)
-        tensors[name] = tensor if gguf_type is None else gguf_quant.quantize(tensor, gguf_type)
+    for weight, tensor in iterate_weights(source):
+        gguf_type = block_type(weight)
+        tensors[weight] = tensor if gguf_type is None else gguf_quant.quantize(tensor, gguf_type)
         if gguf_type is not None:
-            types[name] = gguf_type
+            types[weight] = gguf_type
     save_file(tensors, os.path.join(out, "model.safetensors"),
               metadata={"format": "pt", gguf_quant.GGUF_TYPES_METADATA: json.dumps(types)})
     return out

@@ -13,6 +13,7 @@ import gc
 import pytest
 import torch
 
+from sglang_backend.runtime.layers import gguf_quant
 from sglang_backend.runtime.model_loader import embedded as embedded_mod
 from sglang_backend.runtime.model_loader import gguf as gguf_mod
 from sglang_backend.runtime.model_loader import load_config, load_hf_reference, load_tokenizer, resolve_model_path
@@ -245,6 +246,23 @@ def test_gemma3_converted_dir(gemma3_dir):
 
 
 @needs_gemma3
+def test_gemma3_converted_dir_keeps_its_blocks(gemma3_dir):
+    """The Q4_K_M GGUF's matrices stay blocks: Q5_0 (q, k, gate, up; v in half the layers), Q8_0 (the embedding,
+    the other v), Q4_K (o, half the down projections), Q6_K (the other downs); the directory stays within 10% of
+    the GGUF's size (33 MB of it the 262k-token tokenizer)."""
+    import os
+    from collections import Counter
+
+    from sglang_backend.runtime.model_loader.loader import gguf_block_types
+
+    types = gguf_block_types(gemma3_dir)
+    assert types["model.embed_tokens.weight"] == "Q8_0"
+    assert Counter(types.values()) == {"Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
+    size = sum(os.path.getsize(os.path.join(gemma3_dir, f)) for f in os.listdir(gemma3_dir))
+    assert size <= 1.1 * sum(os.path.getsize(p) for p in embedded_mod.gemma3_chunk_paths())
+
+
+@needs_gemma3
 def test_gemma3_tokenizer(gemma3_tok):
     tok = gemma3_tok
     assert len(tok) == 262144 and (tok.bos_token, tok.eos_token, tok.pad_token) == ("<bos>", "<eos>", "<pad>")
@@ -298,6 +316,9 @@ def test_gemma3_engine_equals_hf_greedy(gemma3_dir, gemma3_tok):
         # One mixed-length batch (the tiny Gemma 3 of test_engine_equivalence also checks one at a time): CI time.
         batch = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
         assert batch == expected
+        # every linear keeps its blocks (half the qkv as Q8_0: gguf_quant.common_format), and the embedding
+        if gguf_quant.kernels_available():
+            assert len(engine.scheduler.model_runner.quantized_params) == 18 * 4 + 1
         engine.check_pool_whole()
     finally:
         engine.shutdown()

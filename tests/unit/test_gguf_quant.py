@@ -17,17 +17,45 @@ needs_kernels = pytest.mark.skipif(not gguf_quant.kernels_available(), reason="n
 TYPES = list(gguf_quant.FORMATS)
 
 
+# Where each format keeps its fp16 scales (byte offsets in a block): random blocks get finite ones there.
+_HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _random_blocks(gguf_type: str, rows: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
+    """Random bytes as blocks (every quant, sub-block scale, min and high-bit pattern), fp16 scales finite."""
+    _, columns, nbytes = gguf_quant.FORMATS[gguf_type]
+    blocks = torch.randint(0, 256, (rows, in_features // columns, nbytes), generator=gen, dtype=torch.uint8)
+    for offset in _HALF_FIELDS[gguf_type]:
+        scale = (torch.rand(rows, in_features // columns, generator=gen) * 2e-2 - 1e-2).half()
+        blocks[:, :, offset:offset + 2] = scale.view(torch.uint8).reshape(rows, -1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _weight_shape(gguf_type: str, rows: int, in_features: int) -> tuple[int, int]:
+    """in_features rounded up to whole blocks (256 columns for the K-quants)."""
+    columns = gguf_quant.block_columns(gguf_type)
+    return rows, -(-in_features // columns) * columns
+
+
 @needs_kernels
 @pytest.mark.parametrize("gguf_type", TYPES)
 @pytest.mark.parametrize("rows,in_features", [(37, 64), (300, 576), (64, 1536)])
-def test_matmul_equals_dequantized_reference(gguf_type, rows, in_features):
+@pytest.mark.parametrize("make", ["quantize", "random"])
+def test_matmul_equals_dequantized_reference(gguf_type, rows, in_features, make):
+    rows, in_features = _weight_shape(gguf_type, rows, in_features)
     gen = torch.Generator().manual_seed(rows * 7 + in_features)
-    blocks = gguf_quant.quantize(torch.randn(rows, in_features, generator=gen), gguf_type)
+    if make == "quantize":
+        blocks = gguf_quant.quantize(torch.randn(rows, in_features, generator=gen), gguf_type)
+    else:
+        blocks = _random_blocks(gguf_type, rows, in_features, gen)
+    assert blocks.shape == (rows, gguf_quant.row_bytes(gguf_type, in_features))
+    assert gguf_quant.GGUFBlocks(gguf_type, blocks).shape == (rows, in_features)
     reference = gguf_quant._reference_dequantize(blocks, gguf_type, in_features)
     # Each weight rounds exactly as gguf-py's dequantize.
     assert torch.equal(gguf_quant.dequantize(blocks, gguf_type, in_features), reference)
     bias = torch.randn(rows, generator=gen)
-    # 1 row (the fused GEMV), 2-17 (the 4 x 2 tiles, with tails), above MAX_NATIVE_ROWS (dequantize + sgemm)
+    # 1 row (the fused GEMV), 2-17 (the 4 x 3 tiles, with tails), above MAX_NATIVE_ROWS (dequantize + sgemm)
     for m in (1, 2, 3, 5, 17, gguf_quant.MAX_NATIVE_ROWS + 3):
         x = torch.randn(m, in_features, generator=gen)
         want = x @ reference.T
@@ -38,6 +66,44 @@ def test_matmul_equals_dequantized_reference(gguf_type, rows, in_features):
     # leading batch dims are kept
     x3 = torch.randn(2, 3, in_features, generator=gen)
     assert gguf_quant.matmul(x3, blocks, gguf_type).shape == (2, 3, rows)
+
+
+@pytest.mark.parametrize("gguf_type,error", [("Q4_K", 0.1), ("Q5_K", 0.05), ("Q6_K", 0.03)])
+def test_k_quantizer_round_trips(gguf_type, error):
+    """Our K-quant quantizer (gguf-py has none) makes blocks gguf-py dequantizes back to about the weights."""
+    w = torch.randn(20, 512, generator=torch.Generator().manual_seed(1)) * 0.05
+    back = gguf_quant._reference_dequantize(gguf_quant.quantize(w, gguf_type), gguf_type, 512)
+    assert (back - w).norm() / w.norm() < error
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        gguf_quant.quantize(torch.randn(4, 320), gguf_type)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q5_0"])
+def test_symmetric_blocks_convert_into_q8_0_exactly(gguf_type):
+    gen = torch.Generator().manual_seed(5)
+    for blocks in (gguf_quant.quantize(torch.randn(9, 96, generator=gen), gguf_type),
+                   _random_blocks(gguf_type, 9, 96, gen)):
+        source = gguf_quant.GGUFBlocks(gguf_type, blocks)
+        wide = source.convert("Q8_0")
+        assert wide.gguf_type == "Q8_0" and wide.shape == (9, 96)
+        assert torch.equal(wide.dequantize(), source.dequantize())
+        assert torch.equal(gguf_quant._reference_dequantize(wide.data, "Q8_0", 96), source.dequantize())
+    assert source.convert(gguf_type) is source
+    with pytest.raises(ValueError, match="exactly"):
+        gguf_quant.GGUFBlocks("Q4_1", gguf_quant.quantize(torch.randn(2, 32), "Q4_1")).convert("Q8_0")
+    assert gguf_quant.common_format({gguf_type, "Q8_0"}) == "Q8_0"
+    assert gguf_quant.common_format({gguf_type}) == gguf_type
+    assert gguf_quant.common_format({gguf_type, "Q4_1"}) is None and gguf_quant.common_format({"Q4_1", "Q8_0"}) is None
+
+
+def test_block_sizes_match_gguf_py():
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # deferred: gguf is slow to import
+
+    for name, (type_id, columns, nbytes) in gguf_quant.FORMATS.items():
+        assert GGMLQuantizationType(type_id).name == name
+        assert GGML_QUANT_SIZES[GGMLQuantizationType(type_id)] == (columns, nbytes)
+    assert gguf_quant.can_keep("Q4_K", 512) and not gguf_quant.can_keep("Q4_K", 640)
+    assert gguf_quant.can_keep("Q5_0", 640) and not gguf_quant.can_keep("Q2_K", 512)
 
 
 @needs_kernels
@@ -116,6 +182,40 @@ def test_quantized_layers_keep_blocks_and_match_dequantized_load(tiny_quantized_
         for (a, _, _), (b, _, _) in zip(q["meta_info"]["input_token_logprobs"][1:],
                                         d["meta_info"]["input_token_logprobs"][1:]):
             assert abs(a - b) < 1e-4
+
+
+def _generate(path: str, quantization: str, prompts, params) -> tuple[list, dict[str, str]]:
+    """The outputs with logprobs, and the block format of each parameter that keeps blocks."""
+    engine = make_engine(path, quantization=quantization)
+    try:
+        out = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, logprob_start_len=0)
+        engine.check_pool_whole()
+        runner = engine.scheduler.model_runner
+        return out, {name: runner.model.get_submodule(name.rsplit(".", 1)[0]).gguf_type
+                     for name in runner.quantized_params}
+    finally:
+        engine.shutdown()
+
+
+@needs_kernels
+def test_kquant_model_keeps_blocks_and_matches_dequantized_load(tiny_kquant_dir):
+    """A tiny model in Q4_K / Q5_K / Q6_K (and Q5_0 / Q5_1) blocks: every linear and the embedding keep them, and
+    the greedy tokens and every logprob (prompt and output) equal the dequantized float32 model's within 1e-4."""
+    types = gguf_block_types(tiny_kquant_dir)
+    assert {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0"} == set(types.values())
+    prompts = [[5, 9, 200, 31, 7] * k for k in (1, 3, 7)]
+    params = {"max_new_tokens": 12, "temperature": 0}
+    quantized, kept = _generate(tiny_kquant_dir, "auto", prompts, params)
+    dequantized, none_kept = _generate(tiny_kquant_dir, "none", prompts, params)
+    # qkv (layer 1's: Q5_0 q and k with a Q8_0 v, kept as Q8_0), o, gate_up, down per layer; embedding, lm_head
+    assert not none_kept and len(kept) == 2 * 4 + 2
+    assert kept["model.layers.1.self_attn.qkv_proj.weight"] == "Q8_0"
+    assert kept["model.layers.0.self_attn.qkv_proj.weight"] == "Q4_K" and kept["lm_head.weight"] == "Q6_K"
+    for q, d in zip(quantized, dequantized):
+        assert q["output_ids"] == d["output_ids"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            pairs = list(zip(q["meta_info"][key], d["meta_info"][key]))
+            assert pairs and all(a[0] is None and b[0] is None or abs(a[0] - b[0]) < 1e-4 for a, b in pairs)
 
 
 @needs_kernels

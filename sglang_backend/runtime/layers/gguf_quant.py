@@ -1,8 +1,10 @@
-"""GGUF block-quantized weights kept as blocks (Q4_0, Q4_1, Q8_0), with CPU matmuls that dequantize inside.
+"""GGUF block-quantized weights kept as blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K,
+Q6_K), with CPU matmuls that dequantize inside.
 
 A converted GGUF checkpoint stores these tensors as llama.cpp does: ``uint8 [rows, row_bytes]``, each row
-``K / 32`` blocks (see ``native/gguf_blocks.c`` for the layouts), and names them in the safetensors metadata
-(``GGUF_TYPES_METADATA``). ``iterate_weights`` hands such a tensor over as :class:`GGUFBlocks`.
+``K / block_columns`` blocks (32 columns, 256 for the K-quants; see ``native/gguf_blocks.c`` for the layouts),
+and names them in the safetensors metadata (``GGUF_TYPES_METADATA``). ``iterate_weights`` hands such a tensor
+over as :class:`GGUFBlocks`.
 
 A linear layer or embedding that keeps blocks (``keep_blocks``; the model runner decides: CPU, native kernels
 built, ``--quantization auto``) holds a uint8 ``weight`` and ``gguf_type``; :func:`matmul` multiplies float32
@@ -22,21 +24,27 @@ import torch.nn.functional as F
 
 from . import native
 
-BLOCK = 32
-# name -> (ggml type id, bytes per block of 32)
-FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+# name -> (ggml type id, columns per block, bytes per block), as gguf-py's GGML_QUANT_SIZES
+FORMATS = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+}
 # safetensors ``__metadata__`` key: JSON {tensor name: format name} for the tensors stored as blocks
 GGUF_TYPES_METADATA = "gguf_block_types"
 # Above this many activation rows (prefill) a dequantized copy + sgemm beats the block kernel.
 MAX_NATIVE_ROWS = 32
 
 
+def block_columns(gguf_type: str) -> int:
+    return FORMATS[gguf_type][1]
+
+
 def row_bytes(gguf_type: str, in_features: int) -> int:
-    return in_features // BLOCK * FORMATS[gguf_type][1]
+    return in_features // block_columns(gguf_type) * FORMATS[gguf_type][2]
 
 
 def can_keep(gguf_type: str | None, in_features: int) -> bool:
-    return gguf_type in FORMATS and in_features % BLOCK == 0
+    return gguf_type in FORMATS and in_features % block_columns(gguf_type) == 0
 
 
 @dataclass
@@ -47,10 +55,36 @@ class GGUFBlocks:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.data.shape[0], self.data.shape[1] // FORMATS[self.gguf_type][1] * BLOCK)
+        _, columns, nbytes = FORMATS[self.gguf_type]
+        return (self.data.shape[0], self.data.shape[1] // nbytes * columns)
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.data, self.gguf_type, self.shape[1])
+
+    def convert(self, gguf_type: str) -> "GGUFBlocks":
+        """The same weights as ``gguf_type`` blocks: these, or Q8_0 ones from Q4_0 / Q5_0 (see common_format)."""
+        if gguf_type == self.gguf_type:
+            return self
+        if gguf_type != "Q8_0" or self.gguf_type not in _INTO_Q8_0:
+            raise ValueError(f"{self.gguf_type} blocks do not convert into {gguf_type} exactly")
+        rows, columns = self.shape
+        scale = self.data.reshape(rows, columns // 32, -1)[..., :2]  # the same fp16 d leads both formats
+        d = scale.contiguous().view(torch.float16).float()
+        w = self.dequantize().reshape(rows, columns // 32, 32)  # d * q, exact, so w / d is q again
+        q = torch.where(d != 0, w / d, 0.0).round().to(torch.int8)
+        return GGUFBlocks("Q8_0", torch.cat([scale, q.view(torch.uint8)], dim=-1).reshape(rows, -1))
+
+
+# Formats whose weights are all Q8_0 weights too, with the same fp16 scale (symmetric, quants within int8).
+_INTO_Q8_0 = ("Q4_0", "Q5_0")
+
+
+def common_format(types: set[str]) -> str | None:
+    """The format one weight made of checkpoint pieces of ``types`` (a fused q/k/v) keeps: their one format; Q8_0
+    when the others convert into it exactly (Gemma 3's Q4_K_M GGUF has Q5_0 q and k with a Q8_0 v); else None."""
+    if len(types) == 1:
+        return next(iter(types))
+    return "Q8_0" if "Q8_0" in types and types <= {"Q8_0", *_INTO_Q8_0} else None
 
 
 def read_block_types(metadata: dict[str, str] | None) -> dict[str, str]:
@@ -109,9 +143,96 @@ def embedding(ids: torch.Tensor, blocks: torch.Tensor, gguf_type: str, in_featur
 
 
 def quantize(weight: torch.Tensor, gguf_type: str) -> torch.Tensor:
-    """float32 [rows, K] -> blocks, with gguf-py's quantizer (tests and tools build quantized models with it)."""
+    """float32 [rows, K] -> blocks (tests and tools build quantized models with it): gguf-py's quantizer, or for
+    the K-quants, which gguf-py cannot quantize, a plain one of ours (see :func:`_quantize_k`)."""
+    w = weight.detach().float().contiguous().numpy()
+    if gguf_type in _K_QUANTIZERS:
+        if w.shape[-1] % 256:
+            raise ValueError(f"{gguf_type} rows hold whole blocks of 256 columns, not {w.shape[-1]}")
+        blocks = _K_QUANTIZERS[gguf_type](w.reshape(-1, 256)).reshape(*w.shape[:-1], -1)
+        return torch.from_numpy(np.ascontiguousarray(blocks))
     from gguf import GGMLQuantizationType  # deferred: gguf is slow to import
     from gguf.quants import quantize as gguf_quantize
 
-    blocks = gguf_quantize(weight.detach().float().contiguous().numpy(), GGMLQuantizationType[gguf_type])
-    return torch.from_numpy(np.ascontiguousarray(blocks))
+    return torch.from_numpy(np.ascontiguousarray(gguf_quantize(w, GGMLQuantizationType[gguf_type])))
+
+
+# K-quants: valid blocks from each sub-block's range, scales rounded up so the quants fit. llama.cpp searches
+# for the scales that minimise the error; these are a little less accurate, which tests do not mind.
+
+def _steps(values: np.ndarray, unit: np.ndarray, top: int) -> np.ndarray:
+    """ceil(values / unit) in [0, top] (0 where unit is 0), as uint8."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(unit > 0, np.ceil(values / unit), 0).clip(0, top).astype(np.uint8)
+
+
+def _nearest(values: np.ndarray, step: np.ndarray, low: int, high: int) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(step > 0, np.round(values / step), 0).clip(low, high).astype(np.int32)
+
+
+def _quantize_k(blocks: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K (levels 15) / Q5_K (31): [n, 256] -> (d, dmin, the 12 bytes of 6-bit scales and mins: [n, 16] bytes;
+    quants [n, 8, 32]), w = d sc q - dmin mn per sub-block of 32."""
+    sub = blocks.reshape(-1, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - low) / levels, -low
+    d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (mins.max(-1, keepdims=True) / 63).astype(np.float16)
+    sc, mn = _steps(scale, d.astype(np.float32), 63), _steps(mins, dmin.astype(np.float32), 63)
+    step = d.astype(np.float32) * sc
+    q = _nearest(sub + (dmin.astype(np.float32) * mn)[..., None], step[..., None], 0, levels)
+    packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, mn[:, :4] | (mn[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4], axis=-1)
+    head = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed], axis=-1)
+    return head, q
+
+
+def _nibble_pairs(q: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K quants [n, 8, 32] -> 128 bytes: sub-blocks 2p and 2p + 1 in the low and high halves of 32."""
+    return ((q[:, 0::2] & 15) | (q[:, 1::2] & 15) << 4).astype(np.uint8).reshape(len(q), 128)
+
+
+def _quantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+    head, q = _quantize_k(blocks, 15)
+    return np.concatenate([head, _nibble_pairs(q)], axis=-1)
+
+
+def _quantize_q5_k(blocks: np.ndarray) -> np.ndarray:
+    head, q = _quantize_k(blocks, 31)
+    qh = ((q >> 4) << np.arange(8).reshape(1, 8, 1)).sum(axis=1).astype(np.uint8)  # bit s of byte i: sub-block s
+    return np.concatenate([head, qh, _nibble_pairs(q)], axis=-1)
+
+
+def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    """[n, 256] -> Q6_K: int8 scales per sub-block of 16, w = d sc (q - 32), symmetric."""
+    sub = blocks.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(-1) / 31
+    d = (scale.max(-1, keepdims=True) / 127).astype(np.float16)
+    sc = _steps(scale, d.astype(np.float32), 127)
+    u = (_nearest(sub, (d.astype(np.float32) * sc)[..., None], -32, 31) + 32).reshape(-1, 2, 4, 32)  # [h, g, i]
+    ql = (u[:, :, :2] & 15) | (u[:, :, 2:] & 15) << 4  # column 128 h + 32 g + i: byte 64 h + 32 (g % 2) + i
+    qh = ((u >> 4) << (2 * np.arange(4)).reshape(1, 1, 4, 1)).sum(axis=2)  # bits 2g of byte 32 h + i
+    n = len(sub)
+    return np.concatenate([ql.astype(np.uint8).reshape(n, 128), qh.astype(np.uint8).reshape(n, 64),
+                           sc.view(np.int8).view(np.uint8), d.view(np.uint8)], axis=-1)
+
+
+_K_QUANTIZERS = {"Q4_K": _quantize_q4_k, "Q5_K": _quantize_q5_k, "Q6_K": _quantize_q6_k}
+
+
+def gemv_fused(x: torch.Tensor, blocks: torch.Tensor, gguf_type: str, *, norm=None, silu_mul: bool = False,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """One float32 row ``x [1, K]`` through a block weight of N rows in one native call, the layer's neighbours
+    folded in (the CPU's one-token decoder path): ``norm`` (an RMSNorm) applied to x first; ``silu_mul``: the
+    weight is [gate; up] and the result silu(gate) * up ``[1, N/2]``; ``residual``: the result is added into it
+    in place and it is returned. Needs the native kernels."""
+    n = blocks.shape[0] // 2 if silu_mul else blocks.shape[0]
+    out = residual if residual is not None else torch.empty(1, n, dtype=torch.float32)
+    status = native.kernels().gguf_gemv_fused(
+        FORMATS[gguf_type][0], x.data_ptr(), x.shape[-1], blocks.data_ptr(), blocks.shape[0], out.data_ptr(),
+        torch.get_num_threads(), None if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps,
+        int(silu_mul), int(residual is not None))
+    if status != 0:
+        raise ValueError(f"gemv_fused: {gguf_type} blocks of {x.shape[-1]} columns are not supported")
+    return out

@@ -60,8 +60,9 @@ class CausalLM(nn.Module):
 
     def keep_gguf_blocks(self, block_types: dict[str, str]) -> list[str]:
         """Linear layers and embeddings whose checkpoint tensors are all GGUF blocks of one kernel-supported
-        type keep them as blocks (``block_types``: checkpoint name -> GGUF type, from ``iterate_weights``'s
-        files). Tensor parallelism and the rest dequantize at load. Returns the parameters that keep blocks."""
+        type (or of types that convert into one exactly, ``gguf_quant.common_format``) keep them as blocks
+        (``block_types``: checkpoint name -> GGUF type, from ``iterate_weights``'s files). Tensor parallelism and
+        the rest dequantize at load. Returns the parameters that keep blocks."""
         if get_tp_size() != 1:
             return []
         params = dict(self.named_parameters())
@@ -75,13 +76,13 @@ class CausalLM(nn.Module):
         kept = []
         for target, by_shard in types_by_target.items():
             owner = self._owner(target) if target in params else None
-            types = set(by_shard.values())
+            common = gguf_quant.common_format(set(by_shard.values()))  # pieces of different types: see there
             shards = {f"{target}#{s}" if s is not None else target for s in by_shard}
             expected = {p for p in pieces if p == target or p.startswith(target + "#")}
-            if (not isinstance(owner, BlockWeight) or not target.endswith(".weight") or len(types) != 1
-                    or shards != expected or not gguf_quant.can_keep(next(iter(types)), params[target].shape[1])):
+            if (not isinstance(owner, BlockWeight) or not target.endswith(".weight") or common is None
+                    or shards != expected or not gguf_quant.can_keep(common, params[target].shape[1])):
                 continue
-            owner.keep_blocks(types.pop())
+            owner.keep_blocks(common)
             kept.append(target)
         return kept
 
@@ -151,7 +152,7 @@ class CausalLM(nn.Module):
         gate/up inside a fused parameter, or (expert, kind) (None: the fused tensor itself)."""
         owner = self._owner(target)
         if isinstance(full, gguf_quant.GGUFBlocks):  # kept as blocks (keep_gguf_blocks) or dequantized here
-            full = full.data if param.dtype == torch.uint8 else full.dequantize()
+            full = full.convert(owner.gguf_type).data if param.dtype == torch.uint8 else full.dequantize()
         if (full.dtype == fp8.FP8) != (param.dtype == fp8.FP8):  # an e4m3 value is meaningless without its scale
             raise ValueError(f"is {full.dtype} but the parameter is {param.dtype} (FP8 checkpoints: the decoder's "
                              "linear layers only, all of them)")

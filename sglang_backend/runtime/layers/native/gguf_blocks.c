@@ -1,144 +1,290 @@
-/* CPU matmuls over GGUF block-quantized weights, dequantized on the fly (AVX2 + FMA + F16C, OpenMP).
+/* CPU matmuls over GGUF block-quantized weights, dequantized on the fly (AVX2 + FMA + F16C).
  *
- * A weight of N rows x K columns is stored as llama.cpp stores it: each row is K/32 blocks, one block holding
- * 32 consecutive columns:
- *   Q4_0: fp16 d, 16 bytes of nibbles          w = d * (q - 8)     (18 bytes)
- *   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles  w = d * q + m       (20 bytes)
- *   Q8_0: fp16 d, 32 int8                      w = d * q           (34 bytes)
- * Nibble j of the 16 bytes holds column j (low half of byte j) and column j + 16 (high half).
+ * A weight of N rows x K columns is stored as llama.cpp stores it: each row is K / C blocks of C consecutive
+ * columns (C = 32, or 256 for the K-quants). d, m, dmin are fp16; "nibbles" are 16 bytes whose low halves hold
+ * columns 0-15 and high halves columns 16-31; qh (Q5_0, Q5_1) is a uint32 whose bit j is bit 4 of column j.
+ *   Q4_0 (18 bytes): d, nibbles             w = d * (q - 8)
+ *   Q4_1 (20 bytes): d, m, nibbles          w = d * q + m
+ *   Q5_0 (22 bytes): d, qh, nibbles         w = d * (q - 16)
+ *   Q5_1 (24 bytes): d, m, qh, nibbles      w = d * q + m
+ *   Q8_0 (34 bytes): d, 32 int8             w = d * q
+ *   Q4_K (144 bytes): d, dmin, 12 bytes of 6-bit scales sc[8] and mins mn[8] (k_chunk), 128 bytes qs.
+ *     Sub-block s (32 columns): w = (d * sc[s]) * q - dmin * mn[s]; its q are the low (s even) or high (s odd)
+ *     halves of qs[32 (s / 2) + i], i < 32.
+ *   Q5_K (176 bytes): d, dmin, scales as Q4_K, 32 bytes qh (bit s of qh[i]: bit 4 of column 32 s + i), 128 qs.
+ *   Q6_K (210 bytes): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), int8 sc[16], d. Sub-block s (16
+ *     columns): w = (d * sc[s]) * (q - 32). Column 128 h + 32 g + i (h < 2, g < 4, i < 32): low bits
+ *     ql[64 h + 32 (g % 2) + i] >> 4 (g / 2), high bits qh[32 h + i] >> 2 g.
+ *
+ * Every format decodes 32 columns at a time (a "chunk": the whole block, or 1 of a K-quant's 8): one function per
+ * format gathers its bits into 32 int8 quants, byte j for column j, and make_chunk turns them into four vectors of
+ * floats q, with a scale d for each 16 columns and an offset m: w = d * q + m. d is formed as gguf-py forms it (an
+ * fp16 times a K-quant's integer sub-block scale: exact in float32), so dequantized weights round exactly as
+ * gguf-py's do, d * q and then + m (built with -ffp-contract=off so the two are not fused).
+ *
+ * Lane order: make_chunk takes byte k of each 32-bit lane of the quants into vector k, with shifts alone, so
+ * lane l of vector k is column 4 l + k. Byte shuffles (widening 8 bytes at a time in column order) were the
+ * decode's bottleneck, 10-25% slower. The GEMV and the tile path read x in the same order (stride_columns, once
+ * per call); dequantized rows are put back in column order (store_in_order). Q8_0, whose quants are bytes in
+ * memory already, widens them straight from there, in column order (lanes_strided).
  *
  * Activations stay float32 (llama.cpp quantizes them to 8 bits; we do not, so the result equals a float32
- * matmul with the dequantized weight up to float rounding). Dequantized rows (embedding lookups, the buffers
- * of the many-row path) are rounded exactly as gguf-py's dequantize rounds them (d * q, then + m: built with
- * -ffp-contract=off so the two are not fused); one row factors each block's scale out instead (gemv_rows).
- *
- * Threads: output rows are split over the pool's workers (thread_pool.c).
+ * matmul with the dequantized weight up to float rounding). One activation row factors each chunk's scale out
+ * (gemv_rows); several rows decode weight rows into a buffer (gemm_rows); embedding lookups and the many-row
+ * path dequantize whole rows (dequantize_rows). Output rows are split over the pool's workers (thread_pool.c).
  */
 #include "native.h"
 
-#include <immintrin.h>
 #include <stdlib.h>
+#include <string.h>
 
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
+enum {
+    GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
+    GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
+};
 
-static inline float half_to_float(const uint8_t *p) { return _cvtsh_ss((uint16_t)(p[0] | (p[1] << 8))); }
-
-/* One block as four vectors of 8 float32 weights (columns 0-7, 8-15, 16-23, 24-31). */
-static inline __attribute__((always_inline)) void decode_block(int type, const uint8_t *b, __m256 w[4]) {
-    if (type == GGML_Q8_0) {
-        const __m256 d = _mm256_set1_ps(half_to_float(b));
-        for (int i = 0; i < 4; i++) {
-            __m128i q8 = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i));
-            w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
-        }
-        return;
+/* fn(T, ...) with T the weight type as a constant: each format gets its own inlined loop. */
+#define DISPATCH(type, fn, ...)                                                                                   \
+    switch (type) {                                                                                               \
+    case GGML_Q4_0: fn(GGML_Q4_0, __VA_ARGS__); break;                                                            \
+    case GGML_Q4_1: fn(GGML_Q4_1, __VA_ARGS__); break;                                                            \
+    case GGML_Q5_0: fn(GGML_Q5_0, __VA_ARGS__); break;                                                            \
+    case GGML_Q5_1: fn(GGML_Q5_1, __VA_ARGS__); break;                                                            \
+    case GGML_Q8_0: fn(GGML_Q8_0, __VA_ARGS__); break;                                                            \
+    case GGML_Q4_K: fn(GGML_Q4_K, __VA_ARGS__); break;                                                            \
+    case GGML_Q5_K: fn(GGML_Q5_K, __VA_ARGS__); break;                                                            \
+    default: fn(GGML_Q6_K, __VA_ARGS__); break;                                                                   \
     }
-    const int has_min = type == GGML_Q4_1;
-    const __m256 d = _mm256_set1_ps(half_to_float(b));
-    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + (has_min ? 4 : 2)));
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(qs, low4);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-    __m256 q[4] = {
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))),
-    };
-    if (has_min) {
-        const __m256 m = _mm256_set1_ps(half_to_float(b + 2));
-        for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(q[i], d), m);
-    } else {
-        const __m256 eight = _mm256_set1_ps(8.0f);
-        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(_mm256_sub_ps(q[i], eight), d);
-    }
-}
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static int block_bytes(int type) {
+static inline int block_bytes(int type) {
     switch (type) {
     case GGML_Q4_0: return 18;
     case GGML_Q4_1: return 20;
+    case GGML_Q5_0: return 22;
+    case GGML_Q5_1: return 24;
     case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
     default: return 0;
     }
 }
 
-/* The block's 32 quants as float vectors, unscaled: q (Q4_1, Q8_0) or q - 8 (Q4_0). */
-static inline __attribute__((always_inline)) void block_quants(int type, const uint8_t *b, __m256 q[4]) {
-    if (type == GGML_Q8_0) {
-        for (int i = 0; i < 4; i++)
-            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i))));
-        return;
-    }
-    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + (type == GGML_Q4_1 ? 4 : 2)));
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-    if (type == GGML_Q4_0)
-        for (int i = 0; i < 4; i++) q[i] = _mm256_sub_ps(q[i], _mm256_set1_ps(8.0f));
+static inline int block_chunks(int type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K ? 8 : 1; }
+
+/* Chunks in lane order (see the top of the file), or in column order: Q8_0, whose bytes convert from memory. */
+static inline int lanes_strided(int type) { return type != GGML_Q8_0; }
+
+static inline int has_min(int type) {
+    return type == GGML_Q4_1 || type == GGML_Q5_1 || type == GGML_Q4_K || type == GGML_Q5_K;
 }
 
-/* y[n] = x . w[n] for one activation row, with the scale factored out of each block:
- * sum_j x_j (d q_j + m) = d (sum_j x_j q_j) + m (sum_j x_j), the block sums of x computed once per call
- * (xsum). Fewer operations per weight than dequantizing first; same result up to float rounding. */
-static inline __attribute__((always_inline)) void gemv_rows(int type, const float *x, const float *xsum, int64_t K,
+static inline float half_to_float(const uint8_t *p) { return _cvtsh_ss((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* 32 columns of a row, in lane order but for Q8_0 (see the top of the file): w = d * q[k] + m, lane by lane. */
+struct chunk {
+    __m256 q[4];
+    __m256 d; /* lanes 0-3 scale columns 0-15, lanes 4-7 columns 16-31 (they differ for Q6_K only) */
+    float m;
+};
+
+/* --- 32 quants as int8 bytes (byte j: column j), and as a chunk in lane order --- */
+
+static inline __m256i mask8(int bits) { return _mm256_set1_epi8((char)bits); }
+
+/* (p[j] >> shift) & mask for the 32 bytes at p. */
+static inline __m256i bits32(const uint8_t *p, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)p), shift), mask8(mask));
+}
+
+/* The 16 nibble bytes at qs as 32 quants: low halves are columns 0-15, high halves 16-31. */
+static inline __m256i nibbles(const uint8_t *qs) {
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), mask8(0x0F));
+}
+
+/* Byte j = bit j of the 32 bits at qh, times 16: the fifth bit of Q5_0 / Q5_1 quants. */
+static inline __m256i fifth_bits(const uint8_t *qh) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), /* byte j <- byte j / 8 */
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), mask8(0x10));
+}
+
+/* The chunk of int8 quants q8 (byte j: column j) with scale d and offset m. Vector k takes byte k of every 32-bit
+ * lane (shifted to the top, then arithmetic-shifted down: sign-extended), so lane l is column 4 l + k. */
+static inline struct chunk make_chunk(__m256i q8, __m256 d, float m) {
+    struct chunk ch = {.d = d, .m = m};
+    for (int k = 0; k < 4; k++)
+        ch.q[k] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(q8, 24 - 8 * k), 24));
+    return ch;
+}
+
+/* --- one decode function per format: chunk c of the block at b --- */
+
+static inline struct chunk q4_0_chunk(const uint8_t *b) {
+    return make_chunk(_mm256_sub_epi8(nibbles(b + 2), mask8(8)), _mm256_set1_ps(half_to_float(b)), 0.0f);
+}
+
+static inline struct chunk q4_1_chunk(const uint8_t *b) {
+    return make_chunk(nibbles(b + 4), _mm256_set1_ps(half_to_float(b)), half_to_float(b + 2));
+}
+
+static inline struct chunk q5_0_chunk(const uint8_t *b) {
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), fifth_bits(b + 2)), mask8(16));
+    return make_chunk(q, _mm256_set1_ps(half_to_float(b)), 0.0f);
+}
+
+static inline struct chunk q5_1_chunk(const uint8_t *b) {
+    const __m256i q = _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4));
+    return make_chunk(q, _mm256_set1_ps(half_to_float(b)), half_to_float(b + 2));
+}
+
+/* Q8_0's quants are bytes in memory already: sign-extended straight from there, in column order (lanes_strided). */
+static inline struct chunk q8_0_chunk(const uint8_t *b) {
+    struct chunk ch = {.d = _mm256_set1_ps(half_to_float(b)), .m = 0.0f};
+    for (int k = 0; k < 4; k++)
+        ch.q[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * k))));
+    return ch;
+}
+
+/* Q4_K / Q5_K: sub-block c's scale and min from the 12 packed bytes (6 bits each: c < 4 in the low bits of
+ * bytes c and c + 4, c >= 4 split between byte c + 4 and the top bits of bytes c - 4 and c). */
+static inline struct chunk k_chunk(const uint8_t *b, int c, const uint8_t *qh) {
+    const uint8_t *s = b + 4, *qs = b + 4 + 12 + (qh ? 32 : 0);
+    int sc, mn;
+    if (c < 4) {
+        sc = s[c] & 63;
+        mn = s[c + 4] & 63;
+    } else {
+        sc = (s[c + 4] & 0x0F) | ((s[c - 4] >> 6) << 4);
+        mn = (s[c + 4] >> 4) | ((s[c] >> 6) << 4);
+    }
+    __m256i q = bits32(qs + 32 * (c >> 1), 4 * (c & 1), 0x0F);
+    if (qh) q = _mm256_or_si256(q, _mm256_slli_epi16(bits32(qh, c, 1), 4));
+    return make_chunk(q, _mm256_set1_ps(half_to_float(b) * (float)sc), -(half_to_float(b + 2) * (float)mn));
+}
+
+static inline struct chunk q4_k_chunk(const uint8_t *b, int c) { return k_chunk(b, c, NULL); }
+
+static inline struct chunk q5_k_chunk(const uint8_t *b, int c) { return k_chunk(b, c, b + 16); }
+
+/* Q6_K: the chunk is sub-blocks 2c (columns 0-15: lanes 0-3) and 2c + 1 (lanes 4-7). */
+static inline struct chunk q6_k_chunk(const uint8_t *b, int c) {
+    const int h = c >> 2, g = c & 3;
+    const __m256i low = bits32(b + 64 * h + 32 * (g & 1), 4 * (g >> 1), 0x0F);
+    const __m256i high = _mm256_slli_epi16(bits32(b + 128 + 32 * h, 2 * g, 3), 4);
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = half_to_float(b + 208);
+    const __m256 scales = _mm256_setr_m128(_mm_set1_ps(d * (float)sc[2 * c]), _mm_set1_ps(d * (float)sc[2 * c + 1]));
+    return make_chunk(_mm256_sub_epi8(_mm256_or_si256(low, high), mask8(32)), scales, 0.0f);
+}
+
+static inline __attribute__((always_inline)) struct chunk block_chunk(int type, const uint8_t *b, int c) {
+    switch (type) {
+    case GGML_Q4_0: return q4_0_chunk(b);
+    case GGML_Q4_1: return q4_1_chunk(b);
+    case GGML_Q5_0: return q5_0_chunk(b);
+    case GGML_Q5_1: return q5_1_chunk(b);
+    case GGML_Q8_0: return q8_0_chunk(b);
+    case GGML_Q4_K: return q4_k_chunk(b, c);
+    case GGML_Q5_K: return q5_k_chunk(b, c);
+    default: return q6_k_chunk(b, c);
+    }
+}
+
+/* --- lane order and column order --- */
+
+/* rows x K floats into lane order: out[32 i + 8 k + l] = x[32 i + 4 l + k]. */
+static void stride_columns(const float *x, int64_t rows, int64_t K, float *out) {
+    for (int64_t i = 0; i < rows * K / 32; i++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < 8; l++) out[32 * i + 8 * k + l] = x[32 * i + 4 * l + k];
+}
+
+/* A chunk's four lane-order vectors stored as its 32 columns in order (a 4 x 8 transpose). */
+static inline void store_in_order(const __m256 w[4], float *out) {
+    const __m256 t0 = _mm256_unpacklo_ps(w[0], w[1]), t1 = _mm256_unpackhi_ps(w[0], w[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(w[2], w[3]), t3 = _mm256_unpackhi_ps(w[2], w[3]);
+    /* u0: columns 0-3 | 16-19, u1: 4-7 | 20-23, u2: 8-11 | 24-27, u3: 12-15 | 28-31 */
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    _mm256_storeu_ps(out, _mm256_permute2f128_ps(u0, u1, 0x20));
+    _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(u2, u3, 0x20));
+    _mm256_storeu_ps(out + 16, _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(out + 24, _mm256_permute2f128_ps(u2, u3, 0x31));
+}
+
+/* --- the loops, shared by every format --- */
+
+/* A row's weights, w = d * q then + m (two roundings, as gguf-py's), into out: in the chunks' order (the tile
+ * path's buffer) or, in_order, in column order (dequantized rows). */
+static inline __attribute__((always_inline)) void decode_row(int type, const uint8_t *row, int64_t K, float *out,
+                                                             int in_order) {
+    const int chunks = block_chunks(type);
+    for (int64_t b = 0; b < K / 32 / chunks; b++) {
+#pragma GCC unroll 8
+        for (int c = 0; c < chunks; c++) { /* a K-quant's 8 chunks unrolled: their bit positions are constants */
+            const struct chunk ch = block_chunk(type, row + b * block_bytes(type), c);
+            float *o = out + (b * chunks + c) * 32;
+            __m256 w[4];
+            for (int k = 0; k < 4; k++) {
+                w[k] = _mm256_mul_ps(ch.q[k], ch.d);
+                if (has_min(type)) w[k] = _mm256_add_ps(w[k], _mm256_set1_ps(ch.m));
+            }
+            if (in_order && lanes_strided(type)) store_in_order(w, o);
+            else
+                for (int k = 0; k < 4; k++) _mm256_storeu_ps(o + 8 * k, w[k]);
+        }
+    }
+}
+
+/* y[n] = x . w[n] for one activation row (xs: in the chunks' order), each chunk's d and m factored out:
+ * sum_j x_j (d q_j + m) = d (sum_j x_j q_j) + m (sum_j x_j), the chunk sums of x computed once per call (xsum).
+ * Fewer operations per weight than dequantizing first; same result up to float rounding. */
+static inline __attribute__((always_inline)) void gemv_rows(int type, const float *xs, const float *xsum, int64_t K,
                                                             const uint8_t *w, int64_t n0, int64_t n1, float *y) {
-    const int bb = block_bytes(type);
-    const int64_t nb = K / 32, row_bytes = nb * bb;
+    const int chunks = block_chunks(type);
+    const int64_t row_bytes = K / 32 / chunks * block_bytes(type);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * row_bytes;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         float mins = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * bb;
-            __m256 q[4];
-            block_quants(type, blk, q);
-            const float *xb = x + b * 32;
-            __m256 t0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
-            __m256 t1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(xb + 8));
-            t0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), t0);
-            t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), t1);
-            const __m256 d = _mm256_set1_ps(half_to_float(blk));
-            if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, acc1);
-            else acc0 = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, acc0);
-            if (type == GGML_Q4_1) mins += half_to_float(blk + 2) * xsum[b];
+        for (int64_t b = 0; b < K / 32 / chunks; b++) {
+#pragma GCC unroll 8
+            for (int c = 0; c < chunks; c++) { /* a K-quant's 8 chunks unrolled: their bit positions are constants */
+                const int64_t i = b * chunks + c;
+                const struct chunk ch = block_chunk(type, row + b * block_bytes(type), c);
+                const float *xc = xs + i * 32;
+                __m256 t0 = _mm256_mul_ps(ch.q[0], _mm256_loadu_ps(xc));
+                __m256 t1 = _mm256_mul_ps(ch.q[1], _mm256_loadu_ps(xc + 8));
+                t0 = _mm256_fmadd_ps(ch.q[2], _mm256_loadu_ps(xc + 16), t0);
+                t1 = _mm256_fmadd_ps(ch.q[3], _mm256_loadu_ps(xc + 24), t1);
+                if (i & 1) acc1 = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), ch.d, acc1); /* two chains in turn */
+                else acc0 = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), ch.d, acc0);
+                if (has_min(type)) mins += ch.m * xsum[i];
+            }
         }
         y[n] = hsum(_mm256_add_ps(acc0, acc1)) + mins;
     }
 }
 
-static inline __attribute__((always_inline)) void decode_row(int type, const uint8_t *row, int64_t K, float *out) {
-    const int bb = block_bytes(type);
-    for (int64_t b = 0; b < K / 32; b++) {
-        __m256 wv[4];
-        decode_block(type, row + b * bb, wv);
-        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * 32 + 8 * i, wv[i]);
-    }
-}
-
-/* Several activation rows: three weight rows are decoded into a buffer, then 4 activation rows x 3 weight rows
- * are accumulated at once (12 independent FMA chains; each loaded vector feeds 3 or 4 FMAs). */
-static inline __attribute__((always_inline)) void gemm_rows(int type, const float *x, int64_t M, int64_t K,
+/* Several activation rows (xs: in the chunks' order): three weight rows are decoded into a buffer, in that order,
+ * then 4 activation rows x 3 weight rows are accumulated at once (12 independent FMA chains; each loaded vector
+ * feeds 3 or 4 FMAs). */
+static inline __attribute__((always_inline)) void gemm_rows(int type, const float *xs, int64_t M, int64_t K,
                                                             const uint8_t *w, int64_t N, int64_t n0, int64_t n1,
                                                             float *y, float *buf) {
-    const int64_t row_bytes = K / 32 * block_bytes(type);
+    const int64_t row_bytes = K / 32 / block_chunks(type) * block_bytes(type);
     for (int64_t n = n0; n < n1; n += 3) {
-        int64_t rows[3]; /* a short last group repeats its last row: computed again, stored once */
-        for (int c = 0; c < 3; c++) {
-            rows[c] = n + c < n1 ? n + c : n1 - 1;
-            decode_row(type, w + rows[c] * row_bytes, K, buf + c * K);
-        }
+        for (int r = 0; r < 3; r++) /* a short last group repeats its last row: computed again, stored once */
+            decode_row(type, w + (n + r < n1 ? n + r : n1 - 1) * row_bytes, K, buf + r * K, 0);
         for (int64_t m = 0; m < M; m += 4) {
             const float *xr[4];
-            for (int r = 0; r < 4; r++) xr[r] = x + (m + r < M ? m + r : M - 1) * K; /* tail rows repeat */
+            for (int r = 0; r < 4; r++) xr[r] = xs + (m + r < M ? m + r : M - 1) * K; /* tail rows repeat */
             __m256 a[4][3];
             for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = a[r][2] = _mm256_setzero_ps();
             for (int64_t k = 0; k < K; k += 8) { /* 12 FMAs per 7 loads */
@@ -157,9 +303,12 @@ static inline __attribute__((always_inline)) void gemm_rows(int type, const floa
     }
 }
 
+/* K is a whole number of blocks of a known type. */
+static int valid(int type, int64_t K) { return block_bytes(type) != 0 && K % (32 * block_chunks(type)) == 0; }
+
 struct matmul_job {
     int type;
-    const float *x;
+    const float *xs, *xsum; /* x in the chunks' order (lanes_strided); its chunk sums (one row) */
     int64_t M, K, N;
     const uint8_t *w;
     float *y;
@@ -170,35 +319,32 @@ static void matmul_part(void *arg, int64_t g0, int64_t g1) {
     const struct matmul_job *j = (const struct matmul_job *)arg;
     const int64_t n0 = g0 * 8, n1 = g1 * 8 < j->N ? g1 * 8 : j->N;
     if (j->M == 1) {
-        float xsum[j->K / 32]; /* at most a few hundred floats: K is a row of activations */
-        for (int64_t b = 0; b < j->K / 32; b++) {
-            float total = 0.0f;
-            for (int i = 0; i < 32; i++) total += j->x[b * 32 + i];
-            xsum[b] = total;
-        }
-        switch (j->type) { /* constant type per call: each case is its own specialised loop */
-        case GGML_Q4_0: gemv_rows(GGML_Q4_0, j->x, xsum, j->K, j->w, n0, n1, j->y); break;
-        case GGML_Q4_1: gemv_rows(GGML_Q4_1, j->x, xsum, j->K, j->w, n0, n1, j->y); break;
-        default: gemv_rows(GGML_Q8_0, j->x, xsum, j->K, j->w, n0, n1, j->y); break;
-        }
+        DISPATCH(j->type, gemv_rows, j->xs, j->xsum, j->K, j->w, n0, n1, j->y);
         return;
     }
     float *buf = (float *)aligned_alloc(64, (size_t)(3 * j->K) * sizeof(float));
     if (!buf) abort();
-    switch (j->type) {
-    case GGML_Q4_0: gemm_rows(GGML_Q4_0, j->x, j->M, j->K, j->w, j->N, n0, n1, j->y, buf); break;
-    case GGML_Q4_1: gemm_rows(GGML_Q4_1, j->x, j->M, j->K, j->w, j->N, n0, n1, j->y, buf); break;
-    default: gemm_rows(GGML_Q8_0, j->x, j->M, j->K, j->w, j->N, n0, n1, j->y, buf); break;
-    }
+    DISPATCH(j->type, gemm_rows, j->xs, j->M, j->K, j->w, j->N, n0, n1, j->y, buf);
     free(buf);
 }
 
-/* y[M, N] = x[M, K] @ w^T. Returns 0, or -1 for an unknown type or a K that is not a multiple of 32. */
+/* y[M, N] = x[M, K] @ w^T. Returns 0, or -1 for an unknown type or a K that is not a whole number of blocks. */
 int gguf_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                 int threads) {
-    if (block_bytes(type) == 0 || K % 32 != 0) return -1;
-    struct matmul_job job = {type, x, M, K, N, w, y};
+    if (!valid(type, K)) return -1;
+    /* one allocation: x's chunk sums (used at M == 1) and, for chunks in lane order, x in that order */
+    const int64_t sums = K / 32, strided = lanes_strided(type) ? M * K : 0;
+    float *scratch = (float *)malloc((size_t)(sums + strided) * sizeof(float));
+    if (!scratch && sums + strided) abort();
+    for (int64_t i = 0; i < sums; i++) {
+        float total = 0.0f;
+        for (int c = 0; c < 32; c++) total += x[i * 32 + c];
+        scratch[i] = total;
+    }
+    if (strided) stride_columns(x, M, K, scratch + sums);
+    struct matmul_job job = {type, strided ? scratch + sums : x, scratch, M, K, N, w, y};
     parallel_for(threads, (N + 7) / 8, matmul_part, &job);
+    free(scratch);
     return 0;
 }
 
@@ -210,23 +356,22 @@ struct dequantize_job {
     float *out;
 };
 
+static inline __attribute__((always_inline)) void dequantize_rows(int type, const struct dequantize_job *j,
+                                                                  int64_t i0, int64_t i1) {
+    const int64_t row_bytes = j->K / 32 / block_chunks(type) * block_bytes(type);
+    for (int64_t i = i0; i < i1; i++)
+        decode_row(type, j->w + (j->ids ? j->ids[i] : i) * row_bytes, j->K, j->out + i * j->K, 1);
+}
+
 static void dequantize_part(void *arg, int64_t i0, int64_t i1) {
     const struct dequantize_job *j = (const struct dequantize_job *)arg;
-    const int64_t row_bytes = j->K / 32 * block_bytes(j->type);
-    for (int64_t i = i0; i < i1; i++) {
-        const uint8_t *row = j->w + (j->ids ? j->ids[i] : i) * row_bytes;
-        switch (j->type) {
-        case GGML_Q4_0: decode_row(GGML_Q4_0, row, j->K, j->out + i * j->K); break;
-        case GGML_Q4_1: decode_row(GGML_Q4_1, row, j->K, j->out + i * j->K); break;
-        default: decode_row(GGML_Q8_0, row, j->K, j->out + i * j->K); break;
-        }
-    }
+    DISPATCH(j->type, dequantize_rows, j, i0, i1);
 }
 
 /* out[i] = dequantized row ids[i] of w (an embedding lookup); ids == NULL: rows 0..n-1 (the whole weight). */
 int gguf_dequantize_rows(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out,
                          int threads) {
-    if (block_bytes(type) == 0 || K % 32 != 0) return -1;
+    if (!valid(type, K)) return -1;
     struct dequantize_job job = {type, w, K, ids, out};
     parallel_for(threads, n, dequantize_part, &job);
     return 0;

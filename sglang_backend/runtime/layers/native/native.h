@@ -1,7 +1,16 @@
 /* Shared by the native kernels (compiled together into one library, see __init__.py). */
 #pragma once
+#include <immintrin.h>
 #include <stdint.h>
 
 /* fn(ctx, begin, end) over [0, total) split into `threads` contiguous parts; the caller runs the first. */
 typedef void (*parallel_fn)(void *ctx, int64_t begin, int64_t end);
 void parallel_for(int threads, int64_t total, parallel_fn fn, void *ctx);
+
+/* The sum of the 8 lanes of v. */
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
