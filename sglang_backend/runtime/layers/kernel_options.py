@@ -150,6 +150,11 @@ class KernelOptions:
         """One-token batches fold the norms and the residual adds into the GEMVs (decoder layers)."""
         return self.gemv_mode in ("fused", "fused_rope")
 
+    def one_token_path(self, x: torch.Tensor) -> bool:
+        """Whether a one-token batch ``x`` runs the decoder layers' fused one-token path (forward_one_token): the
+        fused GEMVs on the GPU, the native kernels' fused calls on a float32 CPU run."""
+        return x.shape[0] == 1 and (self.fused_gemv or (self.native_cpu and x.dtype == torch.float32))
+
     def use_gemv(self, x: torch.Tensor) -> bool:
         """Whether a linear layer runs ``x`` through the GEMV (one row, GEMV on)."""
         return self.gemv_mode != "off" and x.shape[0] == 1

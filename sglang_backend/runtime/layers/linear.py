@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size, split_evenly
 from . import fp8, gguf_quant
+from .activation import silu_and_mul
 from .kernel_options import KernelOptions
 
 try:  # optional: triton (the GPU GEMV)
@@ -120,7 +121,13 @@ class ColumnParallelLinear(BlockWeight, Fp8Weight, nn.Linear):
                   rope=None) -> torch.Tensor:
         """One token: ``self(norm(residual))`` in one GEMV (the RMSNorm in its prologue, same roundings as
         the norm kernel); ``silu_mul``: this is a [gate; up] projection and the output is silu(gate) * up;
-        ``rope`` (gemv.RopeStore): this is the qkv projection, q and k come out rotated, k and v stored."""
+        ``rope`` (gemv.RopeStore): this is the qkv projection, q and k come out rotated, k and v stored.
+        On the CPU (native kernels, no ``rope``) a block weight takes one native call for all of it."""
+        if opts.native_cpu:
+            if self.gguf_type is not None and self.bias is None:
+                return gguf_quant.gemv_fused(residual, self.weight, self.gguf_type, norm=norm, silu_mul=silu_mul)
+            out = self.forward(norm(residual, opts=opts), opts)
+            return silu_and_mul(out, opts) if silu_mul else out
         return gemv(residual, self.weight, self.bias, norm_weight=norm.weight, eps=norm.eps, silu_mul=silu_mul,
                     rope=rope, weight_scale=self.weight_scale if self.is_fp8 else None, configs=opts.configs,
                     pdl=opts.pdl)
@@ -181,8 +188,11 @@ class RowParallelLinear(BlockWeight, Fp8Weight, nn.Linear):
 
     def add_into(self, residual: torch.Tensor, x: torch.Tensor, opts: KernelOptions) -> None:
         """One token: ``residual += self(x)`` in place, the add in the GEMV's epilogue (rounded as
-        ``residual + out``) unless the output must be all-reduced first."""
-        if self.tp_size > 1 or self.gguf_type is not None:
+        ``residual + out``) unless the output must be all-reduced first. On the CPU a block weight adds in its
+        native call."""
+        if self.gguf_type is not None and opts.native_cpu and self.bias is None:
+            gguf_quant.gemv_fused(x, self.weight, self.gguf_type, residual=residual)
+        elif self.tp_size > 1 or not opts.fused_gemv:
             residual.add_(self.forward(x, opts))
         else:
             gemv(x, self.weight, self.bias, residual=residual, weight_scale=self.weight_scale if self.is_fp8 else None,

@@ -142,8 +142,7 @@ class LlamaDecoderLayer(nn.Module):
         output in (one kernel with fused ops). ``residual`` None: ``hidden`` is the embedding (first layer).
         Returns (this layer's MLP output, residual stream before it); the next norm adds the two."""
         opts = forward_batch.kernel_options
-        if self.fused_one_token and opts is not None and opts.fused_gemv \
-                and opts.use_gemv(residual if hidden is None else hidden):
+        if self.fused_one_token and opts is not None and opts.one_token_path(residual if hidden is None else hidden):
             return None, self.forward_one_token(hidden if residual is None else residual, rope, forward_batch)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden, opts=opts)
@@ -157,7 +156,8 @@ class LlamaDecoderLayer(nn.Module):
         """One token, every linear a fused GEMV (GEMV modes "fused" and "fused_rope"): the norms in the qkv and
         gate_up GEMVs' prologues, SiLU-mul in gate_up's epilogue, the residual adds in o_proj's and down_proj's
         (``residual`` is updated in place and returned); "fused_rope" also folds rotary and the KV store into
-        the qkv GEMV. The same roundings as the separate kernels."""
+        the qkv GEMV. The same roundings as the separate kernels. On the CPU the native kernels do the same
+        folds, a call per linear (layers/native/one_token.c)."""
         opts = fb.kernel_options
         attn, mlp = self.self_attn, self.mlp
         residual = residual.contiguous()

@@ -120,6 +120,7 @@ _SIGNATURES = {
     "paged_attention": "ppppippiiiiffipt",
     "rmsnorm": "pppiifpt",
     "rope_store_kv": "piiiipppppt",
+    "gguf_gemv_fused": "tpipiptpftt",
 }
 _CTYPES = {"i": ctypes.c_int64, "p": ctypes.c_void_p, "f": ctypes.c_float, "t": ctypes.c_int}
 

@@ -14,3 +14,8 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* Entry points one kernel file calls in another (one_token.c). */
+void rmsnorm(const float *x, float *residual, const float *w, int64_t rows, int64_t dim, float eps, float *out,
+             int threads);
+int gguf_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int threads);
