@@ -167,3 +167,11 @@ def test_unsupported_quantization_configs_are_refused(float_dir, tmp_path):
         (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
         with pytest.raises(Exception, match=match):
             _engine(str(d))
+
+
+def test_fp8_on_a_model_without_fp8_layers_is_refused(tmp_path):
+    from sglang_backend.runtime.models.llava import dummy_llava_config, save_dummy_llava  # a second model family
+
+    d = save_dummy_llava(dummy_llava_config(), str(tmp_path), seed=0)
+    with pytest.raises(Exception, match="decoder-only"):
+        _engine(d, quantization="fp8")

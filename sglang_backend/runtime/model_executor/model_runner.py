@@ -112,6 +112,8 @@ class ModelRunner:
                     model = model_cls(self.config)
             finally:
                 torch.set_default_dtype(prev)
+        if (fp8_checkpoint or serve_fp8) and not hasattr(model, "fp8_layers"):
+            raise ValueError(f"FP8 weights are supported for the decoder-only models, not {type(model).__name__}")
         if fp8_checkpoint:
             for layer in model.fp8_layers():
                 layer.keep_fp8()
