@@ -12,7 +12,7 @@ Where the weights come from:
 
 How they multiply (:func:`linear`): the activation rows are quantized to e4m3 with one scale each
 (:func:`quantize_rows`: one Triton kernel on the GPU) and ``torch._scaled_mm`` runs the FP8 tensor-core GEMM
-with the row and channel scales, accumulating in fp32 and writing the activation dtype. A one-row batch on the
+with the row and channel scales (fast accumulation on the GPU, as vLLM's kernels), writing the activation dtype. A one-row batch on the
 GPU instead takes the Triton GEMV (``gemv(..., weight_scale=)``), which reads the e4m3 weights and multiplies
 them by the unquantized activation: at batch 1 only the weight bytes matter, and they are half of bf16's.
 
