@@ -183,14 +183,15 @@ def model_bytes(cfg, dtype_bytes: int, linear_bytes: int | None = None) -> dict:
     h, i, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = head_dim(cfg)
-    attn = h * (H + 2 * Hkv) * d + H * d * h + 2 * h + (2 * d if "head_dim" in cfg else 0)  # + norms
+    attn_linear = h * (H + 2 * Hkv) * d + H * d * h  # qkv and o projections
+    attn = attn_linear + 2 * h + (2 * d if "head_dim" in cfg else 0)  # + norms
     experts, top_k = cfg.get("num_experts", 0), cfg.get("num_experts_per_tok", 0)
     expert_params = 3 * h * cfg["moe_intermediate_size"] if experts else 0
     mlp = h * experts + top_k * expert_params if experts else 3 * h * i  # router + the experts a token runs
     per_layer = attn + mlp
     linear_params = L * per_layer + V * h + h  # layers + lm_head + final norm (the embedding is only gathered)
     kv_per_token = 2 * L * Hkv * d * dtype_bytes
-    dense_linear = L * (h * (H + 2 * Hkv) * d + H * d * h + (0 if experts else 3 * h * i))
+    dense_linear = L * (attn_linear + (0 if experts else mlp))
     weight_bytes = linear_params * dtype_bytes - dense_linear * (dtype_bytes - (linear_bytes or dtype_bytes))
     return {"read_params": linear_params, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
             "matmul_params": L * (per_layer - 2 * h), "lm_head_params": V * h, "layers": L, "heads": H, "head_dim": d,

@@ -62,6 +62,13 @@ def ref_attention(q, keys, values, q_positions, scale):
     return torch.einsum("hml,lhd->mhd", p, v)
 
 
+def rope_table(head_dim: int, device, positions: int = 512):
+    """Rotary angles [positions, head_dim / 2] (base 10000, on the host) and the fused kernels' cos | sin table."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return freqs, torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
 def _worst_decode_err(q, o, k_buf, v_buf, req_to_token, rows, seq_lens, scale) -> float:
     """Each request's output vs the float64 reference over its own KV slots; the worst relative error."""
     worst = 0.0
@@ -198,9 +205,7 @@ def check_fused_ops(device, dtype, T=37, hidden=320, inter=448, num_heads=8, num
         H, Hkv, D = num_heads, num_kv_heads, head_dim
         qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(device, dtype)
         positions = torch.randint(0, 500, (T,), generator=gen).to(device)
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
-        freqs = torch.arange(512, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+        freqs, cos_sin = rope_table(D, device)
         emb = torch.cat([freqs, freqs], dim=-1)[positions.cpu()].to(device)
         cos, sin = emb.cos().double(), emb.sin().double()
         q_ref = apply_rotary(qkv[:, : H * D].double().view(T, H, D), cos, sin).view(T, -1)
@@ -352,10 +357,7 @@ def check_fp8(device, dtype, hidden=320, inter=448, num_heads=8, num_kv_heads=2,
     errs["fp8_gemv_residual"] = rel_err(r2, res.double() + h.double() @ ref_dn.T)
     H, Hkv, D = num_heads, num_kv_heads, head_dim
     w_qkv, s_qkv, _ = weight((H + 2 * Hkv) * D, hidden)
-    half = D // 2
-    inv = 1.0 / (10000 ** (torch.arange(0, half, dtype=torch.float32) / half))
-    ang = torch.arange(512, dtype=torch.float32)[:, None] * inv[None, :]
-    cos_sin = torch.cat([ang.cos(), ang.sin()], -1).to(device)
+    _, cos_sin = rope_table(D, device)
     k_buf = torch.zeros(64, Hkv, D, device=device, dtype=dtype)
     v_buf = torch.zeros_like(k_buf)
     pos1 = torch.tensor([int(torch.randint(0, 512, (1,), generator=gen))], device=device)

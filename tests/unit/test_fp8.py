@@ -106,7 +106,7 @@ def test_fp8_checkpoint_dequantized_on_cpu_equals_hf(float_dir, tmp_path, per_te
     try:
         mr = eng.scheduler.model_runner
         qkv = mr.model.model.layers[0].self_attn.qkv_proj.weight
-        assert qkv.dtype == torch.float32 and not mr.fp8
+        assert qkv.dtype == torch.float32 and not mr.fp8_weights
         ref_q = torch.cat([deq[f"model.layers.0.self_attn.{n}_proj.weight"].float() for n in "qkv"])
         assert torch.equal(qkv, ref_q)
         got = [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)]

@@ -40,10 +40,10 @@ def _scale_of(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float ``[N, K]`` -> (e4m3 ``[N, K]``, fp32 scales ``[N]``): per output channel, amax mapped to 448."""
-    w = weight.float()
-    scale = _scale_of(w.abs().amax(dim=1))
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    """float ``[N, K]`` -> (e4m3 ``[N, K]``, fp32 scales ``[N]``): per output channel, amax mapped to 448 (the
+    row quantizer's arithmetic, one row per channel)."""
+    q, scale = quantize_rows_reference(weight)
+    return q, scale.view(-1)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +83,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     return out.reshape(*x.shape[:-1], N)
 
 
-def gpu_supports_fp8(device) -> bool:
+def runs_fp8_gemms(device) -> bool:
+    """A CUDA GPU of compute capability 8.9+ (FP8 tensor cores), or the CPU (torch's ``_scaled_mm``)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return dev.type == "cpu"

@@ -57,6 +57,7 @@ class ModelRunner:
         self.tp_rank = tp_rank
         self.tp_followers = None  # rank 0 of a tensor-parallel group: its handle on the other ranks
         self.quantized_params: list[str] = []  # parameters kept as GGUF blocks (_keep_quantized)
+        self.fp8_weights = False  # linear weights served as FP8 (_fp8_plan)
         if server_args.tp_size > 1:
             self._init_tensor_parallel()
         self.context_len = server_args.context_length or int(getattr(self.text_config, "max_position_embeddings", 2048))
@@ -136,7 +137,7 @@ class ModelRunner:
             for layer in model.fp8_layers():
                 if layer.gguf_type is None:
                     layer.quantize_fp8()
-        self.fp8 = serve_fp8
+        self.fp8_weights = serve_fp8
         self.model = model.eval()
         # The rope frequencies stay fp32 (HF keeps inv_freq in fp32 too).
         self.model.model.rotary_emb.inv_freq = self.model.model.rotary_emb.inv_freq.float()
@@ -148,12 +149,12 @@ class ModelRunner:
         scheme = fp8.checkpoint_scheme(self.text_config) if sa.load_format != "dummy" else None
         checkpoint = scheme == "fp8"
         if sa.quantization == "fp8":
-            if not fp8.gpu_supports_fp8(self.device):
+            if not fp8.runs_fp8_gemms(self.device):
                 raise ValueError(f"--quantization fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
                                  f"{torch.cuda.get_device_name(self.device)} is "
                                  f"{'.'.join(map(str, torch.cuda.get_device_capability(self.device)))}")
             return checkpoint, True
-        if sa.quantization == "auto" and checkpoint and self.device != "cpu" and fp8.gpu_supports_fp8(self.device):
+        if sa.quantization == "auto" and checkpoint and self.device != "cpu" and fp8.runs_fp8_gemms(self.device):
             return True, True
         if checkpoint:
             logger.info("FP8 checkpoint: weights dequantized to %s at load (--quantization %s, device %s)",
