@@ -38,6 +38,7 @@ class ServerArgs:
     mem_fraction_static: float = field(default=0.9, metadata={"help": "GPU: fraction of memory for weights + KV pool"})
     max_running_requests: int = field(default=256, metadata={"help": "Request slots (running batch size cap)"})
     page_size: int = field(default=1, metadata={"help": "KV page size in tokens"})
+    kv_host_size: int = field(default=0, metadata={"help": "Second KV tier: tokens of host memory (pinned on a GPU) that keep the KV the pool evicts, copied back on a prefix hit instead of computed again (0: off; the radix cache only)"})
 
     # Scheduling
     schedule_policy: str = field(default="lpm", metadata={"help": "Waiting-queue order", "choices": SCHEDULE_POLICIES})
@@ -123,6 +124,12 @@ class ServerArgs:
             raise ValueError("max_running_requests must be >= 1")
         if self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
+        if self.kv_host_size < 0:
+            raise ValueError("kv_host_size must be >= 0 tokens (0: no host tier)")
+        if self.kv_host_size and (self.disable_radix_cache or self.table_cache):
+            raise ValueError("kv_host_size needs the radix cache (not with disable_radix_cache or table_cache)")
+        if self.kv_host_size and self.tp_size > 1:
+            raise ValueError("kv_host_size is not supported with tp_size > 1 yet")
         if self.max_prefill_logprob_tokens < 0:
             raise ValueError("max_prefill_logprob_tokens must be >= 0 (0: auto)")
         if self.max_queued_requests < 0:

@@ -70,6 +70,7 @@ class Req:
         self.req_pool_idx: int | None = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
+        self.last_host_node = None  # where the match goes on in host memory (second tier), if it does
         self.kv_len = 0
         self.extend_input_len = 0  # tokens computed in the current extend step
         self.is_chunked = False  # prompt only partly computed; continues next step
@@ -168,6 +169,7 @@ class Req:
         self.req_pool_idx = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
+        self.last_host_node = None
         self.kv_len = 0
         self.is_chunked = False
 

@@ -31,7 +31,9 @@ class SchedulePolicy:
         """Refresh the request's cached prefix from the tree (cheap; the tree may have changed)."""
         result = self.tree_cache.match_prefix(_ids_through(req, req.max_prefix_len()), extra_key=req.extra_key)
         req.prefix_indices, req.last_node = result.device_indices, result.last_node
-        req.prefix_len_at_match = len(req.prefix_indices)
+        req.last_host_node = result.last_host_node
+        # A hit in host memory costs a copy, not a prefill: it counts for the order as a device hit does.
+        req.prefix_len_at_match = len(req.prefix_indices) + result.host_hit_len
 
     def matches_when_ordering(self) -> bool:
         """Whether ``order`` matches every waiting request against the tree (the cache-aware policies)."""

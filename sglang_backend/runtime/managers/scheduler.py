@@ -22,6 +22,7 @@ from ..constrained import GrammarCache, GrammarTooComplex, cache_options, retoke
 from ..layers.logits_processor import token_logprobs, top_logprobs
 from ..layers.sampler import Sampler, SamplingBatchInfo
 from ..mem_cache.chunk_cache import ChunkCache
+from ..mem_cache.host_pool import HostKVPool
 from ..mem_cache.radix_cache import RadixCache
 from ..mem_cache.session_pins import SessionPins
 from ..mem_cache.table_cache import TableCache
@@ -141,7 +142,9 @@ class Scheduler:
         elif server_args.table_cache:
             self.tree_cache = TableCache(self.req_to_token_pool, self.allocator)
         else:
-            self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size)
+            host = HostKVPool(self.model_runner.token_to_kv_pool, server_args.kv_host_size) \
+                if server_args.kv_host_size else None
+            self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size, host)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.starvation_limit,
                                      server_args.random_seed)
         # Pins need a tree to lock paths in; session_ttl 0 switches them off.
@@ -427,6 +430,8 @@ class Scheduler:
         if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
                 and req.max_prefix_len() > 0 and plan.admitted_prefixes.shares_uncached_prefix(req):
             return True
+        if req.last_host_node is not None:
+            self._load_back(req)
         self.tree_cache.inc_lock_ref(req.last_node)
         prefix_len = len(req.prefix_indices)
         extend = self._fit_extend(plan, req, prefix_len)
@@ -448,6 +453,15 @@ class Scheduler:
             if req.session_id is not None and self.session_pins is not None:
                 self.session_pins.on_admitted(req.session_id, prefix_len)
         return True
+
+    def _load_back(self, req: Req) -> None:
+        """The request's match goes on in host memory: copy that part back to the device (if the device has room,
+        evicting as a prefill would), and match again."""
+        t0 = time.perf_counter()
+        if self.tree_cache.load_back(req.last_host_node, lambda n: self.alloc_slots(n, -1)):
+            self.policy.match(req)
+        req.last_host_node = None
+        self.stats.tree_op_seconds += time.perf_counter() - t0
 
     def _fit_extend(self, plan: PrefillPlan, req: Req, prefix_len: int) -> int | None:
         """How many of the request's tokens this batch computes (fewer when chunked), or None if it does not fit:
@@ -1065,6 +1079,11 @@ class Scheduler:
             problems.append(f"{self.tree_cache.protected_size() - pinned} tokens still locked in the tree")
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
             problems.append("request slots still held")
+        host = getattr(self.tree_cache, "host", None)
+        if host is not None:
+            held = sum(len(n.host_value) for n in self.tree_cache._iter_nodes() if n.host_value is not None)
+            if held + host.available_size() != host.size:
+                problems.append(f"host tier: {held} held + {host.available_size()} free != {host.size}")
         if problems:
             raise PoolNotWholeError("KV pool not whole at idle: " + "; ".join(problems))
 
@@ -1098,6 +1117,7 @@ class Scheduler:
             "max_total_num_tokens": self.max_total_num_tokens,
             "new_token_ratio": self.new_token_ratio,
             **(self.session_pins.report() if self.session_pins is not None else {}),
+            **(self.tree_cache.host_report() if isinstance(self.tree_cache, RadixCache) else {}),
             **(self.model_runner.model.mm_stats() if hasattr(self.model_runner.model, "mm_stats") else {}),
         }
 

@@ -11,10 +11,17 @@ returns its slots so prefill only has to compute the rest.
 * Running requests lock the path to their matched prefix (``lock_ref`` counts); only unlocked leaves are
   evicted, least recently used first, and a parent that becomes an unlocked leaf is evicted in turn.
 * ``evictable_size`` / ``protected_size`` are kept exact incrementally; ``check_invariants`` recounts.
+* A second tier (``host``, a ``HostKVPool``): eviction then copies a leaf's KV to host memory and keeps the node
+  (``value`` empty, ``host_value`` its host slots) instead of dropping it. ``match_prefix`` returns the device part
+  of a match and says how far it goes on into host-only nodes; ``load_back`` copies that part to fresh device slots.
+  Nodes on the device always form a prefix-closed subtree (a host-only node's children are host-only), a node that
+  was loaded back keeps its host copy (evicting it again costs no copy), and when the host is full the least
+  recently used host copies go: host-only leaves leave the tree, device nodes just lose their backup.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterator
@@ -41,7 +48,7 @@ def _as_list(token_ids) -> list[int]:
 class TreeNode:
     _ids = itertools.count()
 
-    __slots__ = ("id", "key", "value", "children", "parent", "lock_ref", "last_access_time", "extra_key")
+    __slots__ = ("id", "key", "value", "host_value", "children", "parent", "lock_ref", "last_access_time", "extra_key")
 
     def __init__(
         self,
@@ -53,7 +60,8 @@ class TreeNode:
     ):
         self.id = next(TreeNode._ids)  # unique, breaks ties in the eviction heap
         self.key: list[int] = key if key is not None else []
-        self.value: torch.Tensor = value if value is not None else _EMPTY
+        self.value: torch.Tensor = value if value is not None else _EMPTY  # device slots; empty: host-only
+        self.host_value: torch.Tensor | None = None  # host slots of a copy in the second tier
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent
         self.lock_ref = 0
@@ -64,6 +72,10 @@ class TreeNode:
     def is_leaf(self) -> bool:
         return not self.children
 
+    @property
+    def on_host_only(self) -> bool:
+        return self.host_value is not None and len(self.value) == 0
+
     def __repr__(self) -> str:
         key = self.key if len(self.key) <= 8 else self.key[:8] + ["..."]
         return f"TreeNode(id={self.id}, key={key}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -73,12 +85,16 @@ class TreeNode:
 class MatchResult:
     device_indices: torch.Tensor  # KV slots of the matched prefix (cpu int64)
     last_node: TreeNode  # node whose path ends exactly at the matched length (root if nothing matched)
+    host_hit_len: int = 0  # tokens the match goes on for in host-only nodes (second tier), after device_indices
+    last_host_node: TreeNode | None = None  # where that host part ends (``load_back`` takes it)
 
 
 class RadixCache(CachedKVPool):
-    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int = 1):
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int = 1, host=None):
         if token_to_kv_pool_allocator is not None:
             assert token_to_kv_pool_allocator.page_size == page_size, "tree and allocator disagree on page_size"
+        self.host = host  # HostKVPool (second tier) or None
+        self.num_host_evicted_tokens = 0  # host copies dropped for room, cumulative
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
 
     # ------------------------------------------------------------------ basics
@@ -117,6 +133,8 @@ class RadixCache(CachedKVPool):
         parent = child.parent
         upper = TreeNode(child.key[:n], child.value[:n], parent, child.extra_key, child.last_access_time)
         upper.lock_ref = child.lock_ref
+        if child.host_value is not None:
+            upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
         parent.children[self._child_key(parent, child.key, 0, child.extra_key)] = upper
         child.key = child.key[n:]
         child.value = child.value[n:]
@@ -133,27 +151,34 @@ class RadixCache(CachedKVPool):
             key = key[:aligned]
         tick = self._tick()
         node, pos, values = self.root_node, 0, []
+        walk = node  # the deepest matched node, on either tier; ``node`` stays the deepest on the device
+        host_node, host_len = None, 0
         while pos < len(key):
-            child = node.children.get(self._child_key(node, key, pos, extra_key))
+            child = walk.children.get(self._child_key(walk, key, pos, extra_key))
             if child is None:
                 break
             n = self._common_len(child.key, key, pos)  # >= one page: the first page matched the dict key
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = tick
-            values.append(child.value)
             pos += n
-            node = child
+            walk = child
+            if child.on_host_only:  # and so is everything below it
+                host_node, host_len = child, host_len + n
+            else:
+                values.append(child.value)
+                node = child
         indices = torch.cat(values) if values else _EMPTY.clone()
-        return MatchResult(indices, node)
+        return MatchResult(indices, node, host_len, host_node)
 
     def insert(self, token_ids, kv_indices: torch.Tensor, extra_key: Hashable = None) -> int:
         return self._insert(token_ids, kv_indices, extra_key)[0]
 
     def _insert(self, token_ids, kv_indices: torch.Tensor, extra_key: Hashable = None) -> tuple[int, list, TreeNode]:
-        """Insert the page-aligned part; returns (how many leading tokens were already cached, the slot tensors
-        of the nodes along the key's path, the node where the key ends): the path is what a match of the same
-        key would return."""
+        """Insert the page-aligned part; returns (how many leading tokens were already cached on the device, the
+        slot tensors of the nodes along the key's path, the node where the key ends): the path is what a match of
+        the same key would return. Host-only nodes on the path take the given slots as they are (the caller's KV
+        becomes theirs; their host copy stays)."""
         key = _as_list(token_ids)
         aligned = self._aligned(len(key))
         key = key[:aligned]
@@ -162,6 +187,7 @@ class RadixCache(CachedKVPool):
         value = kv_indices[:aligned].to("cpu", torch.int64).clone()
         tick = self._tick()
         node, pos, path = self.root_node, 0, []
+        present = None  # where the first host-only node on the path starts (None: none met)
         while pos < aligned:
             ck = self._child_key(node, key, pos, extra_key)
             child = node.children.get(ck)
@@ -170,20 +196,162 @@ class RadixCache(CachedKVPool):
                 node.children[ck] = leaf
                 self._evictable += len(leaf.key)  # new nodes start unlocked
                 path.append(leaf.value)
-                return pos, path, leaf
+                return (pos if present is None else present), path, leaf
             n = self._common_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = tick
+            if child.on_host_only:
+                present = pos if present is None else present
+                child.value = value[pos : pos + n].clone()
+                self._count_device_tokens(child, n)
             path.append(child.value)
             pos += n
             node = child
-        return pos, path, node
+        return (pos if present is None else present), path, node
+
+    def _count_device_tokens(self, node: TreeNode, n: int) -> None:
+        """``n`` device tokens came to ``node`` (loaded back, or taken over from a request)."""
+        if node.lock_ref > 0:
+            self._protected += n
+        else:
+            self._evictable += n
 
     # ------------------------------------------------------------------ eviction (LRU leaves, in the base class)
 
     def _detach(self, node: TreeNode) -> None:
         del node.parent.children[self._child_key(node.parent, node.key, 0, node.extra_key)]
+
+    # ------------------------------------------------------------------ the second tier (host memory)
+
+    def reset(self) -> None:
+        if self.host is not None and self.root_node is not None:
+            held = [n.host_value for n in self._iter_nodes() if n.host_value is not None]
+            if held:
+                self.host.free(torch.cat(held))
+        super().reset()
+
+    @staticmethod
+    def _device_leaf(node: TreeNode) -> bool:
+        """On the device, unlocked, and nothing below it on the device: what device eviction may take next."""
+        return len(node.value) > 0 and node.lock_ref == 0 and not any(len(c.value) for c in node.children.values())
+
+    def evict(self, num_tokens: int) -> int:
+        """Frees at least ``num_tokens`` device slots if it can (LRU device leaves first). With a host tier the
+        evicted nodes stay in the tree with their KV copied to host memory; without one they leave it."""
+        if self.host is None:
+            return super().evict(num_tokens)
+        if num_tokens <= 0:
+            return 0
+        heap = [(n.last_access_time, n.id, n) for n in self._iter_nodes() if self._device_leaf(n)]
+        heapq.heapify(heap)
+        freed, slots = 0, []
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            if not self._backup(node):
+                self._drop_subtree(node)  # the host is full of locked copies: this node's KV goes, as without a tier
+            slots.append(node.value)
+            freed += len(node.value)
+            self._evictable -= len(node.value)
+            node.value = _EMPTY
+            if parent is not self.root_node and self._device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        self._free(slots)
+        self.num_evicted_tokens += freed
+        return freed
+
+    def _backup(self, node: TreeNode) -> bool:
+        """Gives a device node a host copy (it may have one already). False: no host room."""
+        if node.host_value is not None:
+            return True
+        n = len(node.value)
+        short = n - self.host.available_size()
+        if short > 0:
+            self.evict_host(short)
+        host_slots = self.host.alloc(n)
+        if host_slots is None:
+            return False
+        self.host.backup(node.value, host_slots)
+        node.host_value = host_slots
+        return True
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Takes ``node`` (a device leaf being evicted) and its host-only descendants out of the tree, host copies
+        freed; the caller frees ``node``'s device slots."""
+        self._detach(node)
+        stack, held = [node], []
+        while stack:
+            cur = stack.pop()
+            if cur.host_value is not None:
+                held.append(cur.host_value)
+                cur.host_value = None
+            stack.extend(cur.children.values())
+        if held:
+            self.host.free(torch.cat(held))
+            self.num_host_evicted_tokens += sum(len(h) for h in held)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Frees at least ``num_tokens`` host slots if it can, least recently used copies first: a host-only leaf
+        leaves the tree (then perhaps its parent), a node also on the device only loses its backup."""
+        heap = [(n.last_access_time, n.id, n) for n in self._iter_nodes() if self._host_evictable(n)]
+        heapq.heapify(heap)
+        freed, held = 0, []
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            held.append(node.host_value)
+            freed += len(node.host_value)
+            node.host_value = None
+            if len(node.value) == 0:  # host-only: nothing holds its KV any more
+                parent = node.parent
+                self._detach(node)
+                node.parent = None
+                if parent is not self.root_node and self._host_evictable(parent):
+                    heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        if held:
+            self.host.free(torch.cat(held))
+        self.num_host_evicted_tokens += freed
+        return freed
+
+    @staticmethod
+    def _host_evictable(node: TreeNode) -> bool:
+        if node.host_value is None:
+            return False
+        if len(node.value):
+            return True  # the device copy stays
+        return node.lock_ref == 0 and not node.children  # host-only: a leaf not being loaded back
+
+    def load_back(self, host_node: TreeNode, alloc) -> bool:
+        """Copies the host-only path ending at ``host_node`` (a ``MatchResult.last_host_node``) to device slots from
+        ``alloc(n)`` (which may evict); afterwards a match reaches it on the device. False: no device room."""
+        chain, cur = [], host_node
+        while cur.on_host_only:
+            chain.append(cur)
+            cur = cur.parent
+        chain.reverse()
+        n = sum(len(c.key) for c in chain)
+        self.inc_lock_ref(host_node)  # neither tier may evict the path while the slots are found
+        try:
+            slots = alloc(n)
+            if slots is None:
+                return False
+            self.host.restore(torch.cat([c.host_value for c in chain]), slots)
+            offset = 0
+            for c in chain:
+                c.value = slots[offset : offset + len(c.key)].clone()
+                self._count_device_tokens(c, len(c.key))
+                offset += len(c.key)
+            return True
+        finally:
+            self.dec_lock_ref(host_node)
+
+    def host_report(self) -> dict:
+        if self.host is None:
+            return {}
+        used = self.host.size - self.host.available_size()
+        return {"kv_host_total_tokens": self.host.size, "kv_host_used_tokens": used,
+                "kv_host_written_tokens": self.host.written_tokens, "kv_host_loaded_tokens": self.host.loaded_tokens,
+                "kv_host_evicted_tokens": self.num_host_evicted_tokens}
 
     # ------------------------------------------------------------------ request hooks
 
@@ -246,21 +414,28 @@ class RadixCache(CachedKVPool):
         evictable = protected = 0
         for node in self._iter_nodes():
             if node.lock_ref > 0:
-                protected += len(node.key)
+                protected += len(node.value)
             else:
-                evictable += len(node.key)
+                evictable += len(node.value)
         return evictable, protected
 
     def check_invariants(self) -> None:
         ps = self.page_size
         root = self.root_node
         assert root.parent is None and root.lock_ref == 0 and not root.key
-        slots = []
+        slots, host_slots = [], []
         for node in self._iter_nodes():
             parent = node.parent
             assert parent is not None, f"{node} has no parent"
             assert len(node.key) > 0 and len(node.key) % ps == 0, f"{node}: empty or not whole pages"
-            assert len(node.value) == len(node.key), f"{node}: {len(node.value)} slots for {len(node.key)} tokens"
+            if node.on_host_only:
+                assert self.host is not None, f"{node}: host-only without a host tier"
+                assert all(c.on_host_only for c in node.children.values()), f"{node}: a device node under a host-only one"
+            else:
+                assert len(node.value) == len(node.key), f"{node}: {len(node.value)} slots for {len(node.key)} tokens"
+            if node.host_value is not None:
+                assert len(node.host_value) == len(node.key), f"{node}: {len(node.host_value)} host slots"
+                host_slots.append(node.host_value)
             # Stored under its own first page, so two children can never share one (dict keys are unique).
             assert parent.children.get(self._child_key(parent, node.key, 0, node.extra_key)) is node, (
                 f"{node} is not filed under its first page in its parent"
@@ -283,6 +458,12 @@ class RadixCache(CachedKVPool):
             if alloc is not None:
                 pages = torch.unique(all_slots // ps)
                 assert not torch.isin(pages, alloc.free_pages).any(), "a cached KV page is also on the free list"
+        if self.host is not None:
+            held = torch.cat(host_slots) if host_slots else _EMPTY
+            assert len(torch.unique(held)) == len(held), "a host slot is held by two tree positions"
+            assert not torch.isin(held, self.host.allocator.free_pages).any(), "a held host slot is also free"
+            assert len(held) + self.host.available_size() == self.host.size, (
+                f"host slots: {len(held)} held + {self.host.available_size()} free != {self.host.size}")
 
     def debug_nodes(self) -> list[dict]:
         """One dict per node (DFS, children sorted by key): path and edge tokens, slots, lock, namespace."""

@@ -1,0 +1,220 @@
+"""The second KV tier (mem_cache/host_pool.py, RadixCache with ``host=``): evicted KV is copied to host memory and
+kept in the tree, a later hit copies it back bit-identical instead of computing it, the host evicts its least
+recently used copies when full, and the scheduler gives the same greedy tokens with the tier on as without it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sglang_backend.runtime.mem_cache.host_pool import HostKVPool
+from sglang_backend.runtime.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from sglang_backend.runtime.mem_cache.radix_cache import RadixCache
+from sglang_backend.runtime.server_args import ServerArgs
+from tests.unit.test_scheduler import (  # noqa: F401 - assets, make_sched, reference_outputs: fixtures
+    SMALL_POOL, WORKLOAD, assets, check_variant_really_applied, make_sched, new_req, drain, rand_ids,
+    reference_outputs, run_workload)
+
+LAYERS, HEADS, DIM = 3, 2, 4
+
+
+class Tiered:
+    """A radix tree over a real (CPU) KV pool with a host tier; ``put`` caches a sequence whose KV is random."""
+
+    def __init__(self, device_tokens: int, host_tokens: int, page_size: int = 1):
+        self.kv = MHATokenToKVPool(device_tokens, torch.float32, HEADS, DIM, LAYERS, "cpu", page_size)
+        self.alloc = TokenToKVPoolAllocator(device_tokens, page_size)
+        self.host = HostKVPool(self.kv, host_tokens)
+        self.tree = RadixCache(ReqToTokenPool(4, 64), self.alloc, page_size, self.host)
+        self.truth: dict[tuple, torch.Tensor] = {}  # token path -> its KV (layers x K/V x tokens x heads x dim)
+
+    def slots(self, n: int) -> torch.Tensor | None:
+        short = n - self.alloc.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        return self.alloc.alloc(n)
+
+    def kv_at(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.stack([self.kv.k_buffer[i][slots], self.kv.v_buffer[i][slots]]) for i in range(LAYERS)])
+
+    def put(self, ids: list[int]) -> None:
+        """Caches ``ids``: matched part reused, the rest gets fresh slots holding fresh random KV."""
+        match = self.tree.match_prefix(ids)
+        if match.last_host_node is not None:
+            assert self.tree.load_back(match.last_host_node, self.slots)
+            match = self.tree.match_prefix(ids)
+        have = len(match.device_indices)
+        self.tree.inc_lock_ref(match.last_node)
+        fresh = self.slots(len(ids) - have)
+        self.tree.dec_lock_ref(match.last_node)
+        for i in range(LAYERS):
+            self.kv.k_buffer[i][fresh] = torch.randn(len(fresh), HEADS, DIM)
+            self.kv.v_buffer[i][fresh] = torch.randn(len(fresh), HEADS, DIM)
+        slots = torch.cat([match.device_indices, fresh])
+        self.truth[tuple(ids)] = self.kv_at(slots).clone()
+        present = self.tree.insert(ids, slots)
+        assert present == have
+        self.tree.check_invariants()
+
+    def fetch(self, ids: list[int]) -> tuple[int, int]:
+        """Matches ``ids``, loading a host part back; asserts the KV equals what was cached, bit for bit. Returns
+        (device tokens matched before loading, host tokens loaded)."""
+        match = self.tree.match_prefix(ids)
+        on_device, on_host = len(match.device_indices), match.host_hit_len
+        if match.last_host_node is not None:
+            assert self.tree.load_back(match.last_host_node, self.slots)
+            match = self.tree.match_prefix(ids)
+            assert match.host_hit_len == 0 and len(match.device_indices) == on_device + on_host
+        assert torch.equal(self.kv_at(match.device_indices), self.truth[tuple(ids)][:, :, : len(match.device_indices)])
+        self.tree.check_invariants()
+        return on_device, on_host
+
+
+def test_evicted_kv_waits_in_host_memory_and_returns_bit_identical():
+    t = Tiered(device_tokens=16, host_tokens=64)
+    a, b = list(range(10, 22)), list(range(30, 42))
+    t.put(a)
+    t.put(b)  # 24 tokens through a 16-token pool: a's KV went to the host
+    assert t.host.written_tokens > 0 and t.tree.num_evicted_tokens > 0
+    assert t.fetch(a) == (0, 12)  # all of it from the host
+    assert t.host.loaded_tokens == 12
+    assert t.tree.evictable_size() + t.alloc.available_size() == 16
+    assert sum(t.fetch(b)) == 12  # b's in turn made room (on the host now), still intact
+
+
+def test_a_loaded_back_node_keeps_its_host_copy_so_evicting_it_again_copies_nothing():
+    t = Tiered(device_tokens=16, host_tokens=64)
+    a, b = list(range(10, 22)), list(range(30, 42))
+    t.put(a)
+    t.put(b)
+    t.fetch(a)
+    written = t.host.written_tokens
+    t.tree.evict(16)
+    assert t.host.written_tokens == written  # a went back to its host copy; b was on the host already
+    assert t.fetch(a) == (0, 12)
+
+
+def test_shared_prefix_split_between_tiers():
+    """Two sequences sharing 8 tokens: the shared part stays on the device (the newest sequence uses it) while the
+    older one's own tail sits on the host; its match is 8 on the device + 6 on the host."""
+    t = Tiered(device_tokens=32, host_tokens=64)
+    shared = list(range(100, 108))
+    x, y, z = shared + list(range(1, 7)), shared + list(range(50, 56)), list(range(60, 74))
+    t.put(x)
+    t.put(y)
+    t.put(z)  # evicts x's tail (LRU leaf) to the host; shared and y stay
+    t.tree.evict(6)
+    assert t.fetch(y)[0] >= 8
+    on_device, on_host = t.fetch(x)
+    assert on_device >= 8 and on_device + on_host == len(x)
+
+
+def test_full_host_drops_its_least_recently_used_copies_and_their_nodes():
+    t = Tiered(device_tokens=12, host_tokens=24)
+    s0, s1, s2, s3 = (list(range(s, s + 12)) for s in (100, 200, 300, 400))
+    for ids in (s0, s1, s2, s3):
+        t.put(ids)  # each evicts the one before to the host; s3's arrival drops the oldest copy, s0's
+    assert t.tree.num_host_evicted_tokens == 12
+    gone = t.tree.match_prefix(s0)
+    assert gone.host_hit_len == 0 and len(gone.device_indices) == 0
+    # Loading s1 back evicts s3 to the host, which drops the least recently used copy left, s2's.
+    assert t.fetch(s1) == (0, 12)
+    assert t.tree.num_host_evicted_tokens == 24
+    assert t.tree.match_prefix(s2).host_hit_len == 0
+    assert t.fetch(s3) == (0, 12)
+
+
+def test_inserting_over_host_only_nodes_takes_the_new_slots():
+    """A request that computed tokens the host also holds (it ran without loading them) hands its slots to the
+    host-only nodes: they are on the device again and the insert reports them as not yet cached there."""
+    t = Tiered(device_tokens=16, host_tokens=64)
+    a = list(range(10, 22))
+    t.put(a)
+    t.tree.evict(12)
+    assert t.tree.match_prefix(a).host_hit_len == 12
+    slots = t.slots(12)
+    assert t.tree.insert(a, slots) == 0
+    match = t.tree.match_prefix(a)
+    assert torch.equal(match.device_indices, slots) and match.host_hit_len == 0
+    t.tree.check_invariants()
+
+
+def test_pages_of_four():
+    t = Tiered(device_tokens=16, host_tokens=32, page_size=4)
+    a, b = list(range(10, 22)), list(range(30, 42))
+    t.put(a)
+    t.put(b)
+    assert t.fetch(a) == (0, 12)
+
+
+def test_reset_frees_the_host():
+    t = Tiered(device_tokens=16, host_tokens=64)
+    t.put(list(range(10, 22)))
+    t.put(list(range(30, 42)))
+    t.tree.reset()
+    assert t.host.available_size() == 64 and t.alloc.available_size() == 16
+
+
+def test_random_workload_keeps_every_invariant():
+    rng = random.Random(0)
+    t = Tiered(device_tokens=48, host_tokens=40)
+    stems = [[rng.randrange(3, 50) for _ in range(rng.randint(2, 10))] for _ in range(5)]
+    for _ in range(120):
+        ids = rng.choice(stems) + [rng.randrange(3, 50) for _ in range(rng.randint(1, 14))]
+        if tuple(ids) in t.truth and rng.random() < 0.5:
+            t.fetch(ids)
+        else:
+            t.put(ids)
+    assert t.host.loaded_tokens > 0 and t.tree.num_host_evicted_tokens > 0
+
+
+# The scheduler ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", [
+    dict(kv_host_size=512),
+    dict(kv_host_size=24),  # smaller than what is evicted: the host drops copies too
+    dict(kv_host_size=256, page_size=4, chunked_prefill_size=16),
+], ids=["host512", "host24", "host256-page4-chunked16"])
+def test_outputs_identical_with_the_host_tier_under_pressure(make_sched, reference_outputs, variant):
+    sched = make_sched(max_total_tokens=SMALL_POOL, **variant)
+    assert run_workload(sched, WORKLOAD) == reference_outputs
+    stats = sched.get_stats()
+    assert stats["kv_host_written_tokens"] > 0 and stats["kv_host_loaded_tokens"] > 0, stats
+    if variant["kv_host_size"] < 100:
+        assert stats["kv_host_evicted_tokens"] > 0, stats
+    check_variant_really_applied(sched, variant)
+
+
+def test_a_returning_prompt_is_loaded_from_the_host_not_computed(make_sched):
+    rng = random.Random(3)
+    history, tail = rand_ids(rng, 90), rand_ids(rng, 5)
+    others = [rand_ids(rng, 100) for _ in range(3)]  # other users' prompts push the agent's KV out of the pool
+
+    def agent_returns(sched):
+        for rid, ids in (("agent1", history), *((f"other{i}", o) for i, o in enumerate(others))):
+            sched.add_request(new_req(sched, rid, ids, max_new_tokens=2))
+            drain(sched)
+        again = new_req(sched, "agent2", history + tail, max_new_tokens=4, ignore_eos=True)
+        sched.add_request(again)
+        drain(sched)
+        return again
+
+    tiered = make_sched(max_total_tokens=128, kv_host_size=1024)
+    again = agent_returns(tiered)
+    assert again.cached_tokens == 90
+    assert tiered.get_stats()["kv_host_loaded_tokens"] == 90
+    plain = agent_returns(make_sched(max_total_tokens=128))  # without the tier the history is computed again
+    assert plain.cached_tokens == 0
+    assert again.output_ids == plain.output_ids
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_host_size=-1), "kv_host_size must be >= 0"),
+    (dict(kv_host_size=64, disable_radix_cache=True), "needs the radix cache"),
+    (dict(kv_host_size=64, table_cache=True), "needs the radix cache"),
+    (dict(kv_host_size=64, tp_size=2), "tp_size > 1"),
+])
+def test_bad_host_tier_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(model_path="x", **kwargs)
