@@ -1,15 +1,19 @@
-"""Session pins under memory pressure (issue 26): agents that call the model, wait for a tool, and call again with
-their history, while one-shot requests from other users stream through a KV pool too small for everyone.
+"""Keeping agents' KV under memory pressure (issue 26): agents that call the model, wait for a tool, and call again
+with their history, while one-shot requests from other users stream through a KV pool too small for everyone.
 
 Each agent is a thread: ``steps`` calls, each prompt = its history so far (a unique task, then every earlier
 reply and a tool observation), ``max_new_tokens`` greedy tokens, then a tool sleep drawn from a fixed
-distribution. Meanwhile ``noise`` threads send unique one-shot prompts back to back. The same workload (same
-seeds) runs on an engine with session pins (adaptive time to live) and on one without (``session_ttl=0``: LRU
-eviction only, as any prefix cache), ``rounds`` times each, alternating.
+distribution. Meanwhile ``noise`` threads send unique one-shot prompts, back to back or at ``noise_rate``. The same workload (same
+seeds) runs on one engine per variant, ``rounds`` times each, the order rotating every round:
 
-Reported per variant (medians over rounds): agent program completion time (p50, max), the agents' re-prefilled
-prompt tokens (prompt tokens the cache did not have, minus each step's new tokens: history computed again), and
-the noise requests' throughput.
+* ``generic``: the radix cache alone (``session_ttl=0``, no host tier): what any engine with prefix caching gives;
+* ``pins``: session pins (adaptive time to live) keep a live agent's prefix on the device;
+* ``host``: the host tier (``kv_host_size``) keeps evicted KV in host memory and copies it back on a hit;
+* ``all``: both.
+
+Reported per variant (medians over rounds): agent program completion time (p50, max), all agents' wall time and
+programs/s, the agents' re-prefilled prompt tokens (prompt tokens the cache did not have, minus each step's new
+tokens: history computed again), KV copied back from the host, and the noise requests' throughput.
 
     python -m benchmarks.bench_sessions --out benchmarks/results/sessions_cpu.json
 """
@@ -31,7 +35,7 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def agent(engine, idx: int, args, use_session: bool, out: dict) -> None:
+def agent(engine, idx: int, args, out: dict) -> None:
     rng = random.Random(1000 + idx)
     history = f"Agent {idx} task: {words(rng, args.task_words)}\n"
     t0 = time.perf_counter()
@@ -39,7 +43,7 @@ def agent(engine, idx: int, args, use_session: bool, out: dict) -> None:
     for step in range(args.steps):
         new_tokens = len(engine.tokenizer.encode(history)) - out.setdefault("_last_len", {}).get(idx, 0)
         r = engine.generate(history, {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True},
-                            session_id=f"agent-{idx}" if use_session else None)
+                            session_id=f"agent-{idx}")
         meta = r["meta_info"]
         recomputed += max(0, meta["prompt_tokens"] - meta["cached_tokens"] - new_tokens)
         history += r["text"] + f"\nObservation {step}: {words(rng, args.obs_words)}\n"
@@ -49,24 +53,34 @@ def agent(engine, idx: int, args, use_session: bool, out: dict) -> None:
 
 
 def noise(engine, idx: int, args, stop: threading.Event, out: dict) -> None:
+    """One-shot prompts from other users: back to back, or (``noise_rate``) arriving at that many per second, spaced
+    by seeded exponential gaps (a request that outlasts its gap delays the next one)."""
     rng = random.Random(5000 + idx)
-    n = 0
+    n, next_at = 0, time.perf_counter()
     while not stop.is_set():
+        if args.noise_rate:
+            next_at += rng.expovariate(args.noise_rate)
+            if stop.wait(max(0.0, next_at - time.perf_counter())):
+                break
         engine.generate(f"User {idx}-{n}: {words(rng, args.noise_words)}", {"max_new_tokens": 4, "temperature": 0})
         n += 1
     out.setdefault("noise_requests", []).append(n)
 
 
-def one_run(args, use_session: bool) -> dict:
+VARIANTS = {"generic": dict(session_ttl=0), "pins": {}, "host": dict(session_ttl=0, kv_host_size=None),
+            "all": dict(kv_host_size=None)}  # None: --host-tokens
+
+
+def one_run(args, variant: str) -> dict:
     from sglang_backend import Engine  # deferred: the whole runtime
 
-    engine = Engine(max_total_tokens=args.pool_tokens, log_level="warning",
-                    **({} if use_session else {"session_ttl": 0}))
+    knobs = {k: (args.host_tokens if v is None else v) for k, v in VARIANTS[variant].items()}
+    engine = Engine(max_total_tokens=args.pool_tokens, log_level="warning", **knobs)
     try:
         out: dict = {}
         stop = threading.Event()
         noisy = [threading.Thread(target=noise, args=(engine, i, args, stop, out)) for i in range(args.noise)]
-        agents = [threading.Thread(target=agent, args=(engine, i, args, use_session, out)) for i in range(args.agents)]
+        agents = [threading.Thread(target=agent, args=(engine, i, args, out)) for i in range(args.agents)]
         t0 = time.perf_counter()
         for t in noisy + agents:
             t.start()
@@ -83,11 +97,17 @@ def one_run(args, use_session: bool) -> dict:
     finally:
         engine.shutdown()
     times = sorted(a["seconds"] for a in out["agents"])
-    return dict(sessions=use_session, elapsed_s=elapsed, agent_p50_s=statistics.median(times), agent_max_s=times[-1],
+    return dict(variant=variant, elapsed_s=elapsed, programs_per_s=args.agents / elapsed,
+                agent_p50_s=statistics.median(times), agent_max_s=times[-1],
                 recomputed_tokens=sum(a["recomputed_tokens"] for a in out["agents"]),
                 noise_requests_per_s=sum(out.get("noise_requests", [])) / elapsed,
-                evicted_tokens=stats["num_evicted_tokens"],
-                pins={k: v for k, v in stats.items() if k.startswith("session_")})
+                evicted_tokens=stats["num_evicted_tokens"], host_loaded_tokens=stats.get("kv_host_loaded_tokens", 0),
+                pins={k: v for k, v in stats.items() if k.startswith("session_")},
+                host={k: v for k, v in stats.items() if k.startswith("kv_host_")})
+
+
+SUMMARY_KEYS = ("agent_p50_s", "agent_max_s", "elapsed_s", "programs_per_s", "recomputed_tokens", "host_loaded_tokens",
+                "noise_requests_per_s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,25 +120,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-s", type=float, nargs=2, default=(0.5, 1.5), metavar=("MIN", "MAX"))
     ap.add_argument("--noise", type=int, default=1, help="threads of one-shot requests from other users")
     ap.add_argument("--noise-words", type=int, default=300)
+    ap.add_argument("--noise-rate", type=float, default=0.0, help="requests/s per noise thread (0: back to back)")
     ap.add_argument("--pool-tokens", type=int, default=3072, help="KV pool: too small for all agents plus noise")
+    ap.add_argument("--host-tokens", type=int, default=32768, help="host tier of the host and all variants")
+    ap.add_argument("--variants", default="generic,pins,host,all", help="comma-separated: " + ", ".join(VARIANTS))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     runs = []
     for rnd in range(args.rounds):
-        for use_session in ((True, False) if rnd % 2 == 0 else (False, True)):
-            runs.append(dict(round=rnd, **one_run(args, use_session)))
+        for variant in variants[rnd % len(variants):] + variants[: rnd % len(variants)]:
+            runs.append(dict(round=rnd, **one_run(args, variant)))
             r = runs[-1]
-            print(f"round {rnd} sessions={'on ' if use_session else 'off'}: agents p50 {r['agent_p50_s']:.2f} s, "
-                  f"max {r['agent_max_s']:.2f} s, re-prefilled {r['recomputed_tokens']} tokens, "
-                  f"noise {r['noise_requests_per_s']:.2f} req/s", flush=True)
-    summary = {}
-    for on in (True, False):
-        mine = [r for r in runs if r["sessions"] == on]
-        summary["on" if on else "off"] = {k: statistics.median(r[k] for r in mine)
-                                          for k in ("agent_p50_s", "agent_max_s", "recomputed_tokens",
-                                                    "noise_requests_per_s")}
-    summary["p50_speedup_on_over_off"] = summary["off"]["agent_p50_s"] / summary["on"]["agent_p50_s"]
+            print(f"round {rnd} {variant:8s}: agents p50 {r['agent_p50_s']:.2f} s, max {r['agent_max_s']:.2f} s, "
+                  f"{r['programs_per_s']:.3f} programs/s, re-prefilled {r['recomputed_tokens']} tokens, "
+                  f"from host {r['host_loaded_tokens']}, noise {r['noise_requests_per_s']:.2f} req/s", flush=True)
+    summary = {v: {k: statistics.median(r[k] for r in runs if r["variant"] == v) for k in SUMMARY_KEYS}
+               for v in variants}
+    if "generic" in summary:
+        base = summary["generic"]
+        for v in variants:
+            summary[v]["p50_speedup_over_generic"] = base["agent_p50_s"] / summary[v]["agent_p50_s"]
+            summary[v]["throughput_over_generic"] = summary[v]["programs_per_s"] / base["programs_per_s"]
     print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out, "w") as f:

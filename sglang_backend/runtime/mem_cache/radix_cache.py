@@ -461,7 +461,7 @@ class RadixCache(CachedKVPool):
         if self.host is not None:
             held = torch.cat(host_slots) if host_slots else _EMPTY
             assert len(torch.unique(held)) == len(held), "a host slot is held by two tree positions"
-            assert not torch.isin(held, self.host.allocator.free_pages).any(), "a held host slot is also free"
+            assert not torch.isin(held, self.host.free_slots).any(), "a held host slot is also free"
             assert len(held) + self.host.available_size() == self.host.size, (
                 f"host slots: {len(held)} held + {self.host.available_size()} free != {self.host.size}")
 
