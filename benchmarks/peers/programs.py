@@ -107,11 +107,20 @@ def react(tally: Tally, rng: random.Random, vocab: int, scale: float) -> int:
     prefix = rand_ids(rng, scaled(800, scale, 8), vocab)
     n, steps, out_len = scaled(16, scale, 2), 5, scaled(30, scale, 2)
     prompts = [prefix + rand_ids(rng, scaled(40, scale, 2), vocab) for _ in range(n)]
+    agent_steps(tally, rng, vocab, prompts, steps, out_len, scaled(40, scale, 2))
+    return n
+
+
+def agent_steps(tally: Tally, rng: random.Random, vocab: int, prompts: list[list[int]], steps: int, out_len: int,
+                observation: int, between: Callable[[], object] | None = None) -> None:
+    """Agent steps, one call each for all agents: a step's prompt = the previous prompt + its output + a fresh
+    ``observation``-token tool observation; ``between()`` runs after each step's call."""
     for step in range(steps):
         if step:
-            prompts = [p + o + rand_ids(rng, scaled(40, scale, 2), vocab) for p, o in zip(prompts, outs)]
+            prompts = [p + o + rand_ids(rng, observation, vocab) for p, o in zip(prompts, outs)]
         outs = tally.generate(prompts, out_len)
-    return n
+        if between is not None:
+            between()
 
 
 @timed_program
@@ -158,6 +167,25 @@ def multi_turn_chat(tally: Tally, rng: random.Random, vocab: int, scale: float) 
     return n
 
 
+@timed_program
+def agents_under_pressure(tally: Tally, rng: random.Random, vocab: int, scale: float) -> int:
+    """Agents whose histories outgrow the KV pool (issue 26): N agents behind one 1000-token system + tools prompt,
+    each with its own 2000-token task and retrieved documents; 6 steps, a step's prompt = the previous prompt +
+    its output + a 60-token tool observation, 32 output tokens; between steps 8 other users' one-shot 1500-token
+    prompts (1 output token). One call per step for all agents. Meant to run with a pool far smaller than the
+    agents' ~85k tokens (``max_total_tokens`` / ``num_gpu_blocks_override``): an engine that keeps only a prefix
+    cache computes most of every history again at every step."""
+    system = rand_ids(rng, scaled(1000, scale, 8), vocab)
+    n, steps, out_len = scaled(32, scale, 2), 6, scaled(32, scale, 2)
+    prompts = [system + rand_ids(rng, scaled(2000, scale, 8), vocab) for _ in range(n)]
+
+    def other_users():
+        tally.generate([rand_ids(rng, scaled(1500, scale, 8), vocab) for _ in range(scaled(8, scale, 1))], 1)
+
+    agent_steps(tally, rng, vocab, prompts, steps, out_len, scaled(60, scale, 2), other_users)
+    return n
+
+
 PROGRAMS: dict[str, Callable] = {
     "mmlu": mmlu,
     "hellaswag": hellaswag,
@@ -166,6 +194,9 @@ PROGRAMS: dict[str, Callable] = {
     "skeleton_of_thought": skeleton_of_thought,
     "multi_turn_chat": multi_turn_chat,
 }
+# Programs that need a small KV pool to mean anything: sections, but in no group (run them by name, with the pool
+# sizes set on both sides).
+PRESSURE_PROGRAMS: dict[str, Callable] = {"agents_under_pressure": agents_under_pressure}
 # Programs of the paper not run here, and why.
 NOT_COVERED = {
     "json_decoding": "regex-constrained decoding needs a real tokenizer (vLLM runs with skip_tokenizer_init)",

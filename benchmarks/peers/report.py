@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 
-from benchmarks.peers.programs import NOT_COVERED, PROGRAMS
+from benchmarks.peers.programs import NOT_COVERED, PRESSURE_PROGRAMS, PROGRAMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ METRICS = [
     Metric("decode_bs64", "on", "ms_per_step", "ms/step", False),
     Metric("cold_prefill", "on", "prefill_tok_per_s", "prefill tok/s", True),
     Metric("cold_prefill", "on", "seconds", "s per call (median)", False, plot=False),
-    *[Metric(name, "on", "programs_per_s", "programs/s", True) for name in PROGRAMS],
+    *[Metric(name, "on", "programs_per_s", "programs/s", True) for name in (*PROGRAMS, *PRESSURE_PROGRAMS)],
 ]
 
 

@@ -99,6 +99,7 @@ SECTIONS: dict[str, Callable] = {
 # Sections run in the cache-off phase (an engine without prefix caching).
 CACHE_OFF_SECTIONS = ("shared_prefix",)
 GROUPS = {"programs": tuple(programs.PROGRAMS), "all": tuple(SECTIONS)}
+SECTIONS.update({name: program_section(run) for name, run in programs.PRESSURE_PROGRAMS.items()})
 
 
 def expand(names: str) -> list[str]:

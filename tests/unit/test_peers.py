@@ -94,7 +94,7 @@ def test_output_checks_catch_bad_outputs():
 
 def test_sections_expand_groups_in_order():
     assert sections.expand("decode_bs1,programs,decode_bs1") == ["decode_bs1", *programs.PROGRAMS]
-    assert sections.expand("all") == list(sections.SECTIONS)
+    assert sections.expand("all") == [n for n in sections.SECTIONS if n not in programs.PRESSURE_PROGRAMS]
     with pytest.raises(ValueError):
         sections.expand("offline,nope")
 
@@ -179,6 +179,21 @@ def test_multi_turn_chat_turns_carry_the_history():
     assert len({tuple(p[:200]) for p in calls[0][0]}) == 1  # one system prompt
 
 
+def test_agents_under_pressure_steps_extend_histories_with_other_users_between():
+    client = RecordingClient()
+    result = programs.PRESSURE_PROGRAMS["agents_under_pressure"](client, VOCAB, 1.0)
+    assert client.resets == 1 and result["well_formed"] is True and result["programs"] == 32
+    calls = generate_calls(client)
+    agents, others = calls[0::2], calls[1::2]
+    assert len(agents) == len(others) == 6
+    assert all(len(p) == 32 and n == 32 for p, n in agents) and all(len(p) == 8 and n == 1 for p, n in others)
+    assert len({tuple(p[:1000]) for p in agents[0][0]}) == 1 and all(len(p) == 3000 for p in agents[0][0])
+    for k in range(1, 6):
+        for prev, prev_out, cur in zip(agents[k - 1][0], client.outputs[2 * (k - 1)], agents[k][0]):
+            assert cur[:len(prev) + 32] == prev + prev_out and len(cur) == len(prev) + 32 + 60
+    assert "agents_under_pressure" in sections.SECTIONS and "agents_under_pressure" not in sections.expand("all")
+
+
 def test_programs_report_bad_outputs():
     result = programs.PROGRAMS["mmlu"](RecordingClient(short=True), VOCAB, 1 / 32)
     assert result["well_formed"] is False
@@ -257,7 +272,7 @@ def test_ours_only_smoke_run_end_to_end(tmp_path):
     result = json.loads((tmp_path / "peers_tiny.json").read_text())
     assert result["errors"] == {}
     on, off = result["runs"]["ours"]["on"]["sections"], result["runs"]["ours"]["off"]["sections"]
-    assert set(on) == set(sections.SECTIONS) and set(off) == {"shared_prefix", "check"}
+    assert set(on) == set(sections.SECTIONS) - set(programs.PRESSURE_PROGRAMS) and set(off) == {"shared_prefix", "check"}
     assert all(s["well_formed"] is True for s in [*on.values(), off["shared_prefix"]])
     assert on["decode_bs1"]["ms_per_step"] > 0 and on["offline"]["output_tokens"] == 2 * 32
     assert off["check"]["skipped"].startswith("needs CUDA")

@@ -430,8 +430,8 @@ class Scheduler:
         if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
                 and req.max_prefix_len() > 0 and plan.admitted_prefixes.shares_uncached_prefix(req):
             return True
-        if req.last_host_node is not None:
-            self._load_back(req)
+        if req.last_host_node is not None and not self._load_back(plan, req):
+            return False
         self.tree_cache.inc_lock_ref(req.last_node)
         prefix_len = len(req.prefix_indices)
         extend = self._fit_extend(plan, req, prefix_len)
@@ -454,14 +454,20 @@ class Scheduler:
                 self.session_pins.on_admitted(req.session_id, prefix_len)
         return True
 
-    def _load_back(self, req: Req) -> None:
-        """The request's match goes on in host memory: copy that part back to the device (if the device has room,
-        evicting as a prefill would), and match again."""
+    def _load_back(self, plan: PrefillPlan, req: Req) -> bool:
+        """The request's match goes on in host memory: copy that part back to the device (evicting as a prefill
+        would) and match again. False, with nothing copied, when the request would not fit this batch anyway: the
+        copy plus its extend need as much device memory as the extend alone would without the host tier."""
+        need = req.seq_len - len(req.prefix_indices)
+        reserve = int((plan.decode_reserve + self._tokens_to_reserve(req)) * self.new_token_ratio)
+        if need + reserve > self.available_tokens() and (self.running or plan.reqs):
+            return False
         t0 = time.perf_counter()
         if self.tree_cache.load_back(req.last_host_node, lambda n: self.alloc_slots(n, -1)):
             self.policy.match(req)
         req.last_host_node = None
         self.stats.tree_op_seconds += time.perf_counter() - t0
+        return True
 
     def _fit_extend(self, plan: PrefillPlan, req: Req, prefix_len: int) -> int | None:
         """How many of the request's tokens this batch computes (fewer when chunked), or None if it does not fit:

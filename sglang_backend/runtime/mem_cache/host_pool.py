@@ -8,16 +8,22 @@ first), so a copy is one device gather into a staging tensor, then one transfer 
 staging tensor and the host rows: no host-side scatter. Which tree node holds which host slots is the radix tree's
 business (``RadixCache`` with ``host=``).
 
-Copies run on the device's current stream, in order with the forwards around them: a backup gathers the evicted
-slots before any later forward can write them, and a restore lands before the forward that reads it. Neither makes
-the host wait on a GPU (pinned memory, non-blocking transfers; the host never reads the rows itself).
+On a GPU the transfers run on a copy stream of their own, overlapped with the forwards, while the device-side
+gather and scatter stay on the compute stream, in order with the forwards around them: a backup gathers the evicted
+slots into a staging tensor before any later forward can write them and its transfer to the host runs meanwhile;
+a restore's transfer starts at once (it overlaps the forward in flight), and the compute stream waits for it only
+before scattering the rows into the pool. One copy stream keeps a host row's writes and reads in order. The host
+never waits, except to bound the staging memory of backups still in transfer (``MAX_STAGED_BYTES``).
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
-COPY_CHUNK_BYTES = 64 * 2**20  # one staging tensor on the device, at most
+COPY_CHUNK_BYTES = 256 * 2**20  # one staging tensor on the device, at most
+MAX_STAGED_BYTES = 1 * 2**30  # device memory of backups' staging tensors still in transfer, at most
 
 
 class HostKVPool:
@@ -27,9 +33,12 @@ class HostKVPool:
         self.size = size
         self.on_gpu = torch.device(device_pool.device).type == "cuda"
         row = (2 * device_pool.layer_num, device_pool.head_num, device_pool.head_dim)
-        self.buffer = torch.zeros((size + 1, *row), dtype=device_pool.dtype, pin_memory=self.on_gpu)  # + slot 0
+        # Uninitialised: a row is always written before it is read (zeroing tens of GiB of pinned memory takes seconds).
+        self.buffer = torch.empty((size + 1, *row), dtype=device_pool.dtype, pin_memory=self.on_gpu)  # + slot 0
         self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)
         self._sorted = True
+        self.copy_stream = torch.cuda.Stream(device=device_pool.device) if self.on_gpu else None
+        self._staged: deque[tuple[torch.cuda.Event, int]] = deque()  # backups in transfer: (done, staging bytes)
         self.written_tokens = 0  # device -> host, cumulative
         self.loaded_tokens = 0  # host -> device, cumulative
 
@@ -80,18 +89,47 @@ class HostKVPool:
         layers = self._layers()
         for idx, host_part in self._chunks(device_slots, host_slots):
             staging = torch.stack([buf[idx] for buf in layers], dim=1)  # [n, 2 * layers, heads, dim]
-            for offset, first, n in self._runs(host_part):
-                self.buffer[first : first + n].copy_(staging[offset : offset + n], non_blocking=self.on_gpu)
+            if self.copy_stream is None:
+                self._copy_runs(host_part, staging, to_host=True)
+                continue
+            self._bound_staged(staging.numel() * staging.element_size())
+            self.copy_stream.wait_stream(torch.cuda.current_stream())  # after the gather
+            with torch.cuda.stream(self.copy_stream):
+                self._copy_runs(host_part, staging, to_host=True)
+            staging.record_stream(self.copy_stream)  # not reused before its transfer is done
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+            self._staged.append((done, staging.numel() * staging.element_size()))
         self.written_tokens += len(host_slots)
+
+    def _bound_staged(self, more: int) -> None:
+        while self._staged and self._staged[0][0].query():
+            self._staged.popleft()
+        while self._staged and sum(b for _, b in self._staged) + more > MAX_STAGED_BYTES:
+            self._staged.popleft()[0].synchronize()
+
+    def _copy_runs(self, host_slots: torch.Tensor, staging: torch.Tensor, to_host: bool) -> None:
+        for offset, first, n in self._runs(host_slots):
+            if to_host:
+                self.buffer[first : first + n].copy_(staging[offset : offset + n], non_blocking=self.on_gpu)
+            else:
+                staging[offset : offset + n].copy_(self.buffer[first : first + n], non_blocking=self.on_gpu)
 
     def restore(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copies the host rows ``host_slots`` into the KV at ``device_slots``."""
         layers = self._layers()
+        shape = self.buffer.shape[1:]
         for idx, host_part in self._chunks(device_slots, host_slots):
-            staging = torch.empty((len(host_part), *self.buffer.shape[1:]), dtype=self.buffer.dtype,
-                                  device=self.device_pool.device)
-            for offset, first, n in self._runs(host_part):
-                staging[offset : offset + n].copy_(self.buffer[first : first + n], non_blocking=self.on_gpu)
+            if self.copy_stream is None:
+                staging = torch.empty((len(host_part), *shape), dtype=self.buffer.dtype)
+                self._copy_runs(host_part, staging, to_host=False)
+            else:
+                main = torch.cuda.current_stream()
+                with torch.cuda.stream(self.copy_stream):  # starts now, beside the forward in flight
+                    staging = torch.empty((len(host_part), *shape), dtype=self.buffer.dtype, device=idx.device)
+                    self._copy_runs(host_part, staging, to_host=False)
+                main.wait_stream(self.copy_stream)
+                staging.record_stream(main)  # the scatter below reads it on the compute stream
             for i, buf in enumerate(layers):
                 buf[idx] = staging[:, i]
         self.loaded_tokens += len(host_slots)
