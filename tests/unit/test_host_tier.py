@@ -218,3 +218,48 @@ def test_a_returning_prompt_is_loaded_from_the_host_not_computed(make_sched):
 def test_bad_host_tier_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(model_path="x", **kwargs)
+
+
+def test_metrics_show_the_host_tier():
+    from sglang_backend.runtime.entrypoints.metrics import ServerMetrics
+
+    base = dict(num_running=0, num_waiting=0, max_total_num_tokens=100, free_tokens=100, evictable_tokens=0,
+                cache_hit_rate=0.5, num_generated_tokens=0)
+    assert b"kv_host_used_tokens 0.0" in ServerMetrics().render(base)  # no tier: the gauges stay at zero
+    text = ServerMetrics().render(dict(base, kv_host_used_tokens=70, kv_host_loaded_tokens=300,
+                                       kv_host_written_tokens=410)).decode()
+    lines = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("sglang_backend_kv_host"))
+    assert lines == {"sglang_backend_kv_host_used_tokens": "70.0", "sglang_backend_kv_host_loaded_tokens": "300.0",
+                     "sglang_backend_kv_host_written_tokens": "410.0"}
+
+
+@pytest.mark.parametrize("host", [0, 2048])
+def test_with_a_host_tier_a_session_pin_gives_way_to_a_waiting_request(make_sched, host):
+    """Two requests arrive together while an agent's 150-token sequence is pinned in a 256-token pool: the second
+    fits only if the pin goes. With a host tier it goes at once (its KV survives in host memory and the agent's
+    next call loads it back); without one the pin holds while the first runs, and the second waits."""
+    rng = random.Random(5)
+    sched = make_sched(max_total_tokens=256, kv_host_size=host, session_ttl=60, session_pin_max_fraction=0.8)
+    history = rand_ids(rng, 150)
+    first = new_req(sched, "agent1", history, max_new_tokens=4, ignore_eos=True)
+    first.session_id = "agent"
+    sched.add_request(first)
+    drain(sched)
+    assert sched.get_stats()["session_pinned_tokens"] == 153
+    others = [new_req(sched, f"o{i}", rand_ids(rng, n), max_new_tokens=2) for i, n in enumerate((60, 120))]
+    for r in others:
+        sched.add_request(r)
+    sched.step()  # the first prefill batch
+    admitted = sum(r.req_pool_idx is not None or r.finished() for r in others)
+    drain(sched)
+    stats = sched.get_stats()
+    if host:
+        assert admitted == 2 and stats["session_pins_released_for_memory"] == 1, stats
+        again = new_req(sched, "agent2", history + first.output_ids[:3] + rand_ids(rng, 4), max_new_tokens=2)
+        again.session_id = "agent"
+        sched.add_request(again)
+        drain(sched)
+        assert again.cached_tokens == 153 and sched.get_stats()["kv_host_loaded_tokens"] > 0
+    else:
+        assert admitted == 1, stats  # (the pin goes later, once nothing runs and the request still cannot)
+    sched.handle_control("end_session", "agent")

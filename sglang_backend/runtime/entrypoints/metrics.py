@@ -30,6 +30,11 @@ class ServerMetrics:
         self.session_pinned_tokens = Gauge(p + "session_pinned_tokens", "KV tokens session pins hold", registry=r)
         self.session_reused_tokens = Gauge(p + "session_reused_tokens", "Cached prompt tokens of requests that found "
                                            "their session's pin (re-prefill avoided), since start", registry=r)
+        self.kv_host_used_tokens = Gauge(p + "kv_host_used_tokens", "KV tokens the host tier holds", registry=r)
+        self.kv_host_loaded_tokens = Gauge(p + "kv_host_loaded_tokens", "KV tokens copied back from the host tier "
+                                           "instead of computed again (re-prefill avoided), since start", registry=r)
+        self.kv_host_written_tokens = Gauge(p + "kv_host_written_tokens", "KV tokens evicted from the pool into the "
+                                            "host tier, since start", registry=r)
         self._last = None
 
     def observe_ttft(self, seconds: float) -> None:
@@ -60,6 +65,10 @@ class ServerMetrics:
             if "session_pinned_tokens" in stats:  # absent with session pins off
                 self.session_pinned_tokens.set(stats["session_pinned_tokens"])
                 self.session_reused_tokens.set(stats["session_reused_tokens"])
+            if "kv_host_used_tokens" in stats:  # absent without a host tier
+                self.kv_host_used_tokens.set(stats["kv_host_used_tokens"])
+                self.kv_host_loaded_tokens.set(stats["kv_host_loaded_tokens"])
+                self.kv_host_written_tokens.set(stats["kv_host_written_tokens"])
             now = time.monotonic()
             if self._last is not None and now > self._last[0]:
                 self.gen_throughput.set((stats["num_generated_tokens"] - self._last[1]) / (now - self._last[0]))

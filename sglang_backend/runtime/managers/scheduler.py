@@ -145,6 +145,11 @@ class Scheduler:
             host = HostKVPool(self.model_runner.token_to_kv_pool, server_args.kv_host_size) \
                 if server_args.kv_host_size else None
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size, host)
+        self.host_tier = getattr(self.tree_cache, "host", None) is not None
+        if self.host_tier:
+            host = self.tree_cache.host
+            logger.info("KV host tier: %d tokens (%.1f GiB%s)", host.size, host.buffer.nbytes / 2**30,
+                        ", pinned" if host.on_gpu else "")
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.starvation_limit,
                                      server_args.random_seed)
         # Pins need a tree to lock paths in; session_ttl 0 switches them off.
@@ -430,6 +435,10 @@ class Scheduler:
         if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
                 and req.max_prefix_len() > 0 and plan.admitted_prefixes.shares_uncached_prefix(req):
             return True
+        if self.host_tier:
+            # A session pin gives way to a waiting request that does not fit: its KV survives in host memory.
+            while self._memory_short(plan, req) and self._release_pin_for_memory():
+                pass
         if req.last_host_node is not None and not self._load_back(plan, req):
             return False
         self.tree_cache.inc_lock_ref(req.last_node)
@@ -454,13 +463,18 @@ class Scheduler:
                 self.session_pins.on_admitted(req.session_id, prefix_len)
         return True
 
+    def _memory_short(self, plan: PrefillPlan, req: Req) -> bool:
+        """Whether the request's uncached tokens plus the batch's decode reservation exceed the device memory that
+        can be had (as ``_fit_extend`` judges it; a host hit counts as uncached: loading it takes as much room)."""
+        need = req.seq_len - len(req.prefix_indices)
+        reserve = int((plan.decode_reserve + self._tokens_to_reserve(req)) * self.new_token_ratio)
+        return need + reserve > self.available_tokens() and bool(self.running or plan.reqs)
+
     def _load_back(self, plan: PrefillPlan, req: Req) -> bool:
         """The request's match goes on in host memory: copy that part back to the device (evicting as a prefill
         would) and match again. False, with nothing copied, when the request would not fit this batch anyway: the
         copy plus its extend need as much device memory as the extend alone would without the host tier."""
-        need = req.seq_len - len(req.prefix_indices)
-        reserve = int((plan.decode_reserve + self._tokens_to_reserve(req)) * self.new_token_ratio)
-        if need + reserve > self.available_tokens() and (self.running or plan.reqs):
+        if self._memory_short(plan, req):
             return False
         t0 = time.perf_counter()
         if self.tree_cache.load_back(req.last_host_node, lambda n: self.alloc_slots(n, -1)):
