@@ -1099,9 +1099,8 @@ class Scheduler:
             problems.append(f"{self.tree_cache.protected_size() - pinned} tokens still locked in the tree")
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
             problems.append("request slots still held")
-        host = getattr(self.tree_cache, "host", None)
-        if host is not None:
-            held = sum(len(n.host_value) for n in self.tree_cache._iter_nodes() if n.host_value is not None)
+        if self.host_tier:
+            host, held = self.tree_cache.host, self.tree_cache.host_held_tokens()
             if held + host.available_size() != host.size:
                 problems.append(f"host tier: {held} held + {host.available_size()} free != {host.size}")
         if problems:

@@ -345,6 +345,10 @@ class RadixCache(CachedKVPool):
         finally:
             self.dec_lock_ref(host_node)
 
+    def host_held_tokens(self) -> int:
+        """Host slots the tree's nodes hold (counted by walking the tree)."""
+        return sum(len(n.host_value) for n in self._iter_nodes() if n.host_value is not None)
+
     def host_report(self) -> dict:
         if self.host is None:
             return {}
