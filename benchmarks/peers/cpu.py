@@ -3,7 +3,7 @@ embedded SmolLM2-135M-Instruct Q4_1, interleaved in one run.
 
     python -m benchmarks.peers.cpu --out benchmarks/results/cpu_peers_smollm2 [--threads N] [--rounds 3]
         [--sections decode1,batch16,shared_prefix] [--ours-arg key=value ...] [--llamacpp-arg key=value ...]
-        [--smoke]
+        [--variant-arg key=value ...] [--smoke]
 
 writes ``<out>.json`` (machine, versions, every round's raw numbers, medians, ratios), ``<out>.md`` (one
 table: workload | ours | llama.cpp | ours / llama.cpp) and ``<out>.png`` (bars normalised to llama.cpp = 1).
@@ -32,6 +32,9 @@ How:
     reuses the previous prompt's common prefix), and the batched API (prefix decoded once in seq 0 and
     ``llama_memory_seq_cp``-ed to the others); the faster one is reported as llama.cpp's number.
   Caches are cleared before every run on both sides: a round never reuses the previous round's prefix.
+* ``--variant-arg``: a third side, ``ours_variant``: ours again in its own child with these Engine/ServerArgs
+  kwargs on top of ``--ours-arg`` (e.g. ``cpu_activation_quant=q8``), interleaved with the other two in every
+  round; reported as ``sections.*.ours_variant`` with ratios over llama.cpp and over ours, and in the table.
 * ``--smoke``: tiny sizes and one round, to check the script end to end.
 * llama-cpp-python is installed on demand into the user cache, never into the venv (see ``llamacpp_side``).
 """
@@ -52,6 +55,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIDES = ("ours", "llamacpp")
+VARIANT = "ours_variant"  # --variant-arg: ours with extra kwargs, a third child
 SECTIONS = ("decode1", "batch16", "shared_prefix")
 FULL = dict(decode1=dict(prompt_len=64, n_new=128), batch16=dict(n=16, prompt_len=64, n_new=64),
             shared_prefix=dict(n=32, prefix_len=730, suffix_len=20, n_new=32))
@@ -226,8 +230,10 @@ def table_rows(result: dict) -> list[dict]:
             continue
         a, b = sec["ours"]["median"].get(key), sec["llamacpp"]["median"].get(key)
         variant = sec["llamacpp"].get("variant")
+        v = sec[VARIANT]["median"].get(key) if VARIANT in sec else None
         rows.append(dict(section=section, metric=key, label=label, ours=a, llamacpp=b, ratio=ratio(a, b),
-                         higher_is_better=higher, plot=plot, llamacpp_variant=variant))
+                         higher_is_better=higher, plot=plot, llamacpp_variant=variant, ours_variant=v,
+                         variant_ratio=ratio(v, b), variant_over_ours=ratio(v, a)))
     return rows
 
 
@@ -250,17 +256,29 @@ def render_markdown(result: dict) -> str:
     for r in table_rows(result):
         peer = fmt(r["llamacpp"]) + (f" ({r['llamacpp_variant']})" if r["llamacpp_variant"] else "")
         lines.append(f"| {r['label']} | {fmt(r['ours'])} | {peer} | {fmt(r['ratio'])} |")
+    if result.get("variant_args"):
+        args = ", ".join(f"{k}={v}" for k, v in result["variant_args"].items())
+        lines += ["", f"Ours with {args} (ours_variant), same rounds:", "",
+                  "| workload | ours_variant | ours_variant / llama.cpp | ours_variant / ours |", "|---|---|---|---|"]
+        lines += [f"| {r['label']} | {fmt(r['ours_variant'])} | {fmt(r['variant_ratio'])} | "
+                  f"{fmt(r['variant_over_ours'])} |" for r in table_rows(result)]
     lines.append("")
     for name, sec in result["sections"].items():
         p = sec["params"]
         desc = ", ".join(f"{k}={v}" for k, v in p.items())
         ok = {side: sec[side]["median"].get("well_formed") for side in SIDES}
-        lines.append(f"- {name}: {desc}; outputs well-formed: ours {ok['ours']}, llama.cpp {ok['llamacpp']}")
+        lines.append(f"- {name}: {desc}; outputs well-formed: ours {ok['ours']}, llama.cpp {ok['llamacpp']}"
+                     + (f", ours_variant {sec[VARIANT]['median'].get('well_formed')}" if VARIANT in sec else ""))
     d1 = result["sections"].get("decode1", {}).get("first_ids")
     if d1:
         where = "" if d1["equal"] else f", first difference at token {d1['first_diff']}"
         lines.append(f"- decode1: first {FIRST_IDS} greedy tokens of the two sides equal: {d1['equal']}{where} "
                      f"(informational: llama.cpp quantizes activations to 8 bits, we run float32)")
+    d1v = result["sections"].get("decode1", {}).get("first_ids_variant")
+    if d1v:
+        where = "" if d1v["equal"] else f", first difference at token {d1v['first_diff']}"
+        lines.append(f"- decode1: first {FIRST_IDS} greedy tokens of ours_variant and llama.cpp equal: "
+                     f"{d1v['equal']}{where}")
     return "\n".join(lines) + "\n"
 
 
@@ -409,7 +427,7 @@ def child_main(args) -> None:
         workload = json.load(f)
     try:
         if args.child == "ours":
-            side = OursSide(args.threads, parse_kv(args.ours_arg))
+            side = OursSide(args.threads, parse_kv(args.ours_arg) | parse_kv(args.variant_arg))
         else:
             side = LlamaCppSide(workload["gguf"], args.threads, args.llama_path, parse_kv(args.llamacpp_arg))
         send({"ready": True, "info": side.info()})
@@ -461,9 +479,10 @@ class Child:
     """One side's child process and its line protocol."""
 
     def __init__(self, side: str, args, workload_path: str, llama_path: str | None):
-        cmd = [sys.executable, "-m", "benchmarks.peers.cpu", "--child", side, "--workload", workload_path,
-               "--threads", str(args.threads)]
+        cmd = [sys.executable, "-m", "benchmarks.peers.cpu", "--child", "ours" if side == VARIANT else side,
+               "--workload", workload_path, "--threads", str(args.threads)]
         cmd += [f"--ours-arg={a}" for a in args.ours_arg or []]
+        cmd += [f"--variant-arg={a}" for a in (args.variant_arg or []) if side == VARIANT]
         cmd += [f"--llamacpp-arg={a}" for a in args.llamacpp_arg or []]
         if llama_path:
             cmd += ["--llama-path", llama_path]
@@ -506,15 +525,17 @@ def headline(section: str, res: dict) -> str:
 
 
 def run_rounds(children: dict, sections: list[str], rounds: int) -> dict:
-    """Warm every section up on both sides, then ``rounds`` rounds, the sides alternating who goes first."""
-    raw = {s: {side: [] for side in SIDES} for s in sections}
+    """Warm every section up on every side, then ``rounds`` rounds, the order of the sides reversed every other
+    round."""
+    sides = tuple(children)
+    raw = {s: {side: [] for side in sides} for s in sections}
     for s in sections:
-        for side in SIDES:
+        for side in sides:
             say(f"warm-up {s} {side}")
             children[side].call("warmup", s)
     for r in range(rounds):
         for s in sections:
-            for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+            for side in (sides if r % 2 == 0 else sides[::-1]):
                 time.sleep(SWITCH_PAUSE_S)
                 res = children[side].call("run", s)
                 raw[s][side].append(res)
@@ -561,6 +582,15 @@ def build_result(args, workloads: dict, raw: dict, infos: dict, started: dt.date
         sec["params"] = {k: v for k, v in workloads[s].items() if not isinstance(v, list)}
         if s == "decode1":
             sec["first_ids"] = first_ids_check(per_side)
+        if VARIANT in per_side:
+            variant = summarize_section(s, per_side[VARIANT], per_side["llamacpp"])
+            sec[VARIANT] = variant["ours"]
+            sec["ratio_variant_over_llamacpp"] = variant["ratio_ours_over_llamacpp"]
+            sec["ratio_variant_over_ours"] = {key: ratio(v, sec["ours"]["median"].get(key))
+                                              for key, v in sec[VARIANT]["median"].items() if not isinstance(v, bool)}
+            if s == "decode1":
+                sec["first_ids_variant"] = first_ids_check({"ours": per_side[VARIANT],
+                                                            "llamacpp": per_side["llamacpp"]})
         sections[s] = sec
     return dict(benchmark="cpu_peers", model="SmolLM2-135M-Instruct Q4_1 (GGUF)", gguf=workloads["gguf"],
                 date=started.strftime("%Y-%m-%d %H:%M"), smoke=args.smoke, rounds=args.rounds,
@@ -568,6 +598,7 @@ def build_result(args, workloads: dict, raw: dict, infos: dict, started: dt.date
                 versions=dict(ours=git_version(), torch=torch.__version__,
                               llama_cpp=infos["llamacpp"].get("version")),
                 ours_args=parse_kv(args.ours_arg), llamacpp_args=parse_kv(args.llamacpp_arg),
+                variant_args=parse_kv(args.variant_arg),
                 side_info=infos, sections=sections)
 
 
@@ -591,6 +622,8 @@ def parse_args(argv=None):
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--ours-arg", action="append", default=[], help="extra Engine/ServerArgs kwarg, key=value")
     p.add_argument("--llamacpp-arg", action="append", default=[], help="extra Llama(...) kwarg, key=value")
+    p.add_argument("--variant-arg", action="append", default=[],
+                   help="a third side: ours with these extra Engine/ServerArgs kwargs, key=value")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round")
     p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
@@ -624,7 +657,7 @@ def main(argv=None) -> None:
         json.dump({"gguf": workloads["gguf"], "sections": {s: workloads[s] for s in sections}}, f)
     children = {}
     try:
-        for side in SIDES:
+        for side in SIDES + ((VARIANT,) if args.variant_arg else ()):
             say(f"starting the {side} child ({args.threads} threads)")
             children[side] = Child(side, args, f.name, llama_path)
         raw = run_rounds(children, sections, args.rounds)

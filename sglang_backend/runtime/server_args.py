@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "fp8")
 GEMV_MODES = ("auto", "off", "on", "fused", "fused_rope")  # resolved by layers/kernel_options.py
 ATTENTION_MERGES = ("fused", "stage2")
+CPU_ACTIVATION_QUANTS = ("none", "q8")  # float32 activations, or 8-bit ones as llama.cpp (layers/native/gguf_blocks.c)
 EMBEDDING_POOLINGS = ("last", "mean")  # an embedding: the last prompt token's final hidden state, or their mean
 
 
@@ -71,6 +72,7 @@ class ServerArgs:
     disable_cascade_attention: bool = field(default=False, metadata={"help": "Triton decode: attend each request's whole KV, not the batch's shared prefix once"})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model over this many GPUs (or CPU processes, gloo)"})
     disable_native_cpu_kernels: bool = field(default=False, metadata={"help": "CPU: torch ops instead of the C kernels compiled on first use (layers/native: decode attention read in place from the KV pool, matmuls over GGUF blocks, which are then dequantized at load); ablation"})
+    cpu_activation_quant: str = field(default="none", metadata={"help": "CPU, GGUF block weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0) in the native kernels: none (float32 activations; results equal the float32 matmul with the dequantized weights) or q8 (as llama.cpp: each 32-value block of an activation row rounded to 8 bits with one scale, integer dot products; faster decode, but results no longer equal the float32-dequantized reference to 1e-4)", "choices": CPU_ACTIVATION_QUANTS})
     disable_fused_ops: bool = field(default=False, metadata={"help": "GPU: the plain torch reference modules instead of the fused Triton kernels in the layers (RMSNorm + residual add, rotary + KV store, SiLU-mul, batch-1 GEMV); ablation"})
     gemv_mode: str = field(default="auto", metadata={"help": "GPU, one-token batches: off (cuBLAS), on (Triton GEMV), fused (norm prologue, SiLU-mul / residual-add epilogues), fused_rope (fused + rotary and KV store in the qkv GEMV); auto: fused_rope on Hopper and newer, else off", "choices": GEMV_MODES})
     disable_pdl: bool = field(default=False, metadata={"help": "GPU: no programmatic dependent launch (it is used on Hopper and newer when Triton supports it)"})
@@ -112,6 +114,8 @@ class ServerArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.gemv_mode not in GEMV_MODES:
             raise ValueError(f"gemv_mode must be one of {GEMV_MODES}, got {self.gemv_mode!r}")
+        if self.cpu_activation_quant not in CPU_ACTIVATION_QUANTS:
+            raise ValueError(f"cpu_activation_quant must be one of {CPU_ACTIVATION_QUANTS}, got {self.cpu_activation_quant!r}")
         if self.embedding_pooling not in EMBEDDING_POOLINGS:
             raise ValueError(f"embedding_pooling must be one of {EMBEDDING_POOLINGS}, got {self.embedding_pooling!r}")
         if self.attention_merge not in ATTENTION_MERGES:

@@ -18,7 +18,9 @@ NATIVE = KernelOptions(native_cpu=True)
 
 @needs_kernels
 @pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gemv_fused_equals_the_separate_steps(gguf_type):
+@pytest.mark.parametrize("q8", [False, True])
+def test_gemv_fused_equals_the_separate_steps(gguf_type, q8):
+    """Also with 8-bit activations (q8): the normed row is what gets quantized, the epilogues act on the result."""
     gen = torch.Generator().manual_seed(0)
     K, N = 192, 96
     blocks = gguf_quant.quantize(torch.randn(N, K, generator=gen) * 0.1, gguf_type)
@@ -28,18 +30,18 @@ def test_gemv_fused_equals_the_separate_steps(gguf_type):
         norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=gen))
         normed = norm(x, opts=NATIVE)
         # RMSNorm prologue: the same norm and matmul kernels, so the same bits
-        assert torch.equal(gguf_quant.gemv_fused(x, blocks, gguf_type, norm=norm),
-                           gguf_quant.matmul(normed, blocks, gguf_type))
+        assert torch.equal(gguf_quant.gemv_fused(x, blocks, gguf_type, norm=norm, q8=q8),
+                           gguf_quant.matmul(normed, blocks, gguf_type, q8=q8))
         # SiLU-mul epilogue over [gate; up]
-        gu = gguf_quant.matmul(normed, blocks, gguf_type)
+        gu = gguf_quant.matmul(normed, blocks, gguf_type, q8=q8)
         want = F.silu(gu[:, : N // 2]) * gu[:, N // 2:]
-        got = gguf_quant.gemv_fused(x, blocks, gguf_type, norm=norm, silu_mul=True)
+        got = gguf_quant.gemv_fused(x, blocks, gguf_type, norm=norm, silu_mul=True, q8=q8)
         assert got.shape == (1, N // 2)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         # residual-add epilogue, in place
         residual = torch.randn(1, N, generator=gen)
-        want = residual + gguf_quant.matmul(x, blocks, gguf_type)
-        out = gguf_quant.gemv_fused(x, blocks, gguf_type, residual=residual)
+        want = residual + gguf_quant.matmul(x, blocks, gguf_type, q8=q8)
+        out = gguf_quant.gemv_fused(x, blocks, gguf_type, residual=residual, q8=q8)
         assert out is residual and torch.equal(residual, want)
 
 

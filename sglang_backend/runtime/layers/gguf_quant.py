@@ -9,8 +9,10 @@ over as :class:`GGUFBlocks`.
 A linear layer or embedding that keeps blocks (``keep_blocks``; the model runner decides: CPU, native kernels
 built, ``--quantization auto``) holds a uint8 ``weight`` and ``gguf_type``; :func:`matmul` multiplies float32
 activations by it (one to ``MAX_NATIVE_ROWS`` rows in the native kernel, more through a dequantized copy and
-torch's sgemm) and :func:`embedding` looks rows up. Otherwise the blocks are dequantized at load, exactly as
-gguf-py dequantizes them, and the layer is the plain float one.
+torch's sgemm) and :func:`embedding` looks rows up. Opt-in (``q8``, ``--cpu-activation-quant q8``) the native
+kernel first rounds the activations to 8 bits per block of 32, as llama.cpp does, and multiplies in integers
+(``Q8_ACTIVATION_FORMATS``; the other formats and the many-row path keep float32 activations). Otherwise the
+blocks are dequantized at load, exactly as gguf-py dequantizes them, and the layer is the plain float one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ FORMATS = {
 }
 # safetensors ``__metadata__`` key: JSON {tensor name: format name} for the tensors stored as blocks
 GGUF_TYPES_METADATA = "gguf_block_types"
+# Formats with an integer kernel for 8-bit activations (gguf_blocks.c gguf_matmul_q8).
+Q8_ACTIVATION_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # Above this many activation rows (prefill) a dequantized copy + sgemm beats the block kernel.
 MAX_NATIVE_ROWS = 32
 
@@ -121,8 +125,10 @@ def dequantize(blocks: torch.Tensor, gguf_type: str, in_features: int, ids: torc
     return out
 
 
-def matmul(x: torch.Tensor, blocks: torch.Tensor, gguf_type: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for float32 ``x [..., K]`` and a block weight ``W`` of ``blocks.shape[0]`` rows."""
+def matmul(x: torch.Tensor, blocks: torch.Tensor, gguf_type: str, bias: torch.Tensor | None = None,
+           q8: bool = False) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for float32 ``x [..., K]`` and a block weight ``W`` of ``blocks.shape[0]`` rows; ``q8``:
+    x rounded to 8 bits per block of 32 first (native kernel, ``Q8_ACTIVATION_FORMATS`` only)."""
     kernels = native.kernels()
     flat = x.dim() == 2 and x.is_contiguous()  # a decode batch: no reshapes (each costs a few us of a ~50 us call)
     in_features = x.shape[-1]
@@ -132,8 +138,9 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, gguf_type: str, bias: torch.Te
     x2 = x if flat else x.reshape(rows, in_features).contiguous()
     out = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
     if rows:
-        kernels.gguf_matmul(FORMATS[gguf_type][0], x2.data_ptr(), rows, in_features, blocks.data_ptr(),
-                            blocks.shape[0], out.data_ptr(), torch.get_num_threads())
+        kernel = kernels.gguf_matmul_q8 if q8 and gguf_type in Q8_ACTIVATION_FORMATS else kernels.gguf_matmul
+        kernel(FORMATS[gguf_type][0], x2.data_ptr(), rows, in_features, blocks.data_ptr(), blocks.shape[0],
+               out.data_ptr(), torch.get_num_threads())
     if bias is not None:
         out += bias
     return out if flat else out.reshape(*x.shape[:-1], blocks.shape[0])
@@ -223,17 +230,31 @@ _K_QUANTIZERS = {"Q4_K": _quantize_q4_k, "Q5_K": _quantize_q5_k, "Q6_K": _quanti
 
 
 def gemv_fused(x: torch.Tensor, blocks: torch.Tensor, gguf_type: str, *, norm=None, silu_mul: bool = False,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, q8: bool = False) -> torch.Tensor:
     """One float32 row ``x [1, K]`` through a block weight of N rows in one native call, the layer's neighbours
     folded in (the CPU's one-token decoder path): ``norm`` (an RMSNorm) applied to x first; ``silu_mul``: the
     weight is [gate; up] and the result silu(gate) * up ``[1, N/2]``; ``residual``: the result is added into it
-    in place and it is returned. Needs the native kernels."""
+    in place and it is returned; ``q8``: the (normed) row is rounded to 8 bits per block of 32 and multiplied in
+    integers (``Q8_ACTIVATION_FORMATS`` only). Needs the native kernels."""
     n = blocks.shape[0] // 2 if silu_mul else blocks.shape[0]
     out = residual if residual is not None else torch.empty(1, n, dtype=torch.float32)
     status = native.kernels().gguf_gemv_fused(
         FORMATS[gguf_type][0], x.data_ptr(), x.shape[-1], blocks.data_ptr(), blocks.shape[0], out.data_ptr(),
         torch.get_num_threads(), None if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps,
-        int(silu_mul), int(residual is not None))
+        int(silu_mul), int(residual is not None), int(q8 and gguf_type in Q8_ACTIVATION_FORMATS))
     if status != 0:
         raise ValueError(f"gemv_fused: {gguf_type} blocks of {x.shape[-1]} columns are not supported")
     return out
+
+
+def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 ``x [M, K]`` as the q8 kernels round it (tests): int8 quants ``[M, K]``, per block of 32 the scale d
+    and the sum s = d * sum(q) ``[M, K / 32]``. Needs the native kernels."""
+    x = x.float().contiguous()
+    rows, columns = x.shape
+    q = torch.empty(rows, columns, dtype=torch.int8)
+    d = torch.empty(rows, columns // 32, dtype=torch.float32)
+    s = torch.empty_like(d)
+    if native.kernels().gguf_quantize_q8(x.data_ptr(), rows, columns, q.data_ptr(), d.data_ptr(), s.data_ptr()):
+        raise ValueError(f"quantize_activations_q8: {columns} columns are not whole blocks of 32")
+    return q, d, s

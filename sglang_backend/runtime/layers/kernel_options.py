@@ -6,6 +6,8 @@ from ``ServerArgs`` by the model runner and handed to the layers and the attenti
   off: the exact torch reference modules (always so on the CPU);
 * ``native_cpu``: the C kernels of ``layers/native`` on the CPU (RMSNorm, decode attention read in place from
   the pool, matmuls over GGUF blocks), unless ``--disable-native-cpu-kernels`` or they do not build here;
+* ``cpu_activation_quant``: with ``native_cpu``, ``q8`` multiplies GGUF block weights by activations rounded to
+  8 bits per block of 32 (as llama.cpp; ``--cpu-activation-quant``), else ``none`` (float32 activations);
 * ``gemv_mode``: one-token batches (decode at batch 1) through the Triton GEMV: ``off`` (cuBLAS), ``on`` (GEMV,
   norms and SiLU-mul separate), ``fused`` (the RMSNorm in the GEMV's prologue, SiLU-mul and the residual add in
   its epilogues), ``fused_rope`` (``fused`` plus rotary and the KV store in the qkv GEMV's epilogue, with
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..server_args import ATTENTION_MERGES, GEMV_MODES
+from ..server_args import ATTENTION_MERGES, CPU_ACTIVATION_QUANTS, GEMV_MODES
 from . import native
 CONFIG_DIR = pathlib.Path(__file__).parent / "attention" / "triton_ops" / "configs"
 
@@ -132,6 +134,7 @@ class KernelOptions:
 
     fused_ops: bool = False
     native_cpu: bool = False  # the CPU's C kernels (layers/native): RMSNorm, decode attention, GGUF matmuls
+    cpu_activation_quant: str = "none"  # q8: the GGUF matmuls round activations to 8 bits (needs native_cpu)
     gemv_mode: str = "off"  # resolved: off, on, fused or fused_rope
     pdl: bool = False
     attention_merge: str = "fused"
@@ -142,6 +145,11 @@ class KernelOptions:
             raise ValueError(f"gemv_mode must be one of {GEMV_MODES[1:]} once resolved, got {self.gemv_mode!r}")
         if self.attention_merge not in ATTENTION_MERGES:
             raise ValueError(f"attention_merge must be one of {ATTENTION_MERGES}, got {self.attention_merge!r}")
+        if self.cpu_activation_quant not in CPU_ACTIVATION_QUANTS:
+            raise ValueError(f"cpu_activation_quant must be one of {CPU_ACTIVATION_QUANTS}, "
+                             f"got {self.cpu_activation_quant!r}")
+        if self.cpu_activation_quant != "none" and not self.native_cpu:
+            raise ValueError(f"cpu_activation_quant {self.cpu_activation_quant!r} needs native_cpu (the C kernels)")
         if self.gemv_mode != "off" and not self.fused_ops:
             raise ValueError(f"gemv_mode {self.gemv_mode!r} needs fused_ops (the Triton kernels)")
 
@@ -149,6 +157,11 @@ class KernelOptions:
     def fused_gemv(self) -> bool:
         """One-token batches fold the norms and the residual adds into the GEMVs (decoder layers)."""
         return self.gemv_mode in ("fused", "fused_rope")
+
+    @property
+    def q8_activations(self) -> bool:
+        """GGUF block matmuls quantize their activations to 8 bits (gguf_quant.matmul / gemv_fused ``q8``)."""
+        return self.cpu_activation_quant == "q8"
 
     def one_token_path(self, x: torch.Tensor) -> bool:
         """Whether a one-token batch ``x`` runs the decoder layers' fused one-token path (forward_one_token): the
@@ -162,8 +175,9 @@ class KernelOptions:
     @classmethod
     def resolve(cls, server_args, device) -> "KernelOptions":
         """From ``ServerArgs`` (gemv_mode, disable_fused_ops, disable_pdl, attention_merge, kernel_config,
-        disable_native_cpu_kernels) and the device: the Triton kernels off on the CPU or without triton, the C
-        kernels on on the CPU when they build; ``auto`` GEMV mode by compute capability."""
+        disable_native_cpu_kernels, cpu_activation_quant) and the device: the Triton kernels off on the CPU or
+        without triton, the C kernels on on the CPU when they build (and 8-bit activations with them when asked);
+        ``auto`` GEMV mode by compute capability."""
         dev = torch.device(device)
         on_gpu = dev.type == "cuda" and HAVE_TRITON
         fused = on_gpu and not server_args.disable_fused_ops
@@ -173,7 +187,9 @@ class KernelOptions:
         elif mode == "auto":
             mode = "fused_rope" if torch.cuda.get_device_capability(dev.index or 0)[0] >= 9 else "off"
         native_cpu = dev.type == "cpu" and not server_args.disable_native_cpu_kernels and native.kernels() is not None
-        return cls(fused_ops=fused, native_cpu=native_cpu, gemv_mode=mode, pdl=on_gpu and not server_args.disable_pdl,
+        return cls(fused_ops=fused, native_cpu=native_cpu,
+                   cpu_activation_quant=server_args.cpu_activation_quant if native_cpu else "none", gemv_mode=mode,
+                   pdl=on_gpu and not server_args.disable_pdl,
                    attention_merge=server_args.attention_merge,
                    configs=load_kernel_configs(dev, server_args.kernel_config) if on_gpu else KernelConfigs())
 

@@ -16,7 +16,8 @@ A column- or row-parallel linear may hold FP8 weights (``Fp8Weight``, see ``fp8`
 ``weight_scale`` per output row.
 
 On the CPU a layer may keep GGUF blocks instead of a float weight (``keep_blocks``, see ``gguf_quant``): its
-``weight`` is then uint8 ``[rows, row_bytes]`` and ``forward`` multiplies by it with the block kernels.
+``weight`` is then uint8 ``[rows, row_bytes]`` and ``forward`` multiplies by it with the block kernels (activations
+rounded to 8 bits first when the batch's kernel options say so: ``opts.q8_activations``).
 
 On the GPU a one-token input takes the Triton GEMV when the batch's kernel options say so (``opts.gemv_mode``):
 ``forward(x, opts)`` picks it by itself. The fused GEMV forms serve a decoder layer at batch 1:
@@ -46,6 +47,11 @@ def _check_shape(full: torch.Tensor, expected: tuple) -> None:
         raise ValueError(f"has shape {tuple(full.shape)}, expected {tuple(expected)}")
 
 
+def _q8(opts: KernelOptions | None) -> bool:
+    """Block matmuls round their activations to 8 bits (``--cpu-activation-quant q8``)."""
+    return opts is not None and opts.q8_activations
+
+
 class BlockWeight:
     """Mixin: the layer's weight may be GGUF blocks (``gguf_type`` set) instead of floats."""
     gguf_type: str | None = None
@@ -57,6 +63,10 @@ class BlockWeight:
                                    requires_grad=False)
         self.gguf_type = gguf_type
         self.block_in_features = in_features
+
+    def block_matmul(self, x: torch.Tensor, opts: KernelOptions | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` over the blocks, activations rounded to 8 bits when ``opts`` say so."""
+        return gguf_quant.matmul(x, self.weight, self.gguf_type, self.bias, q8=_q8(opts))
 
 
 class Fp8Weight:
@@ -110,7 +120,7 @@ class ColumnParallelLinear(BlockWeight, Fp8Weight, nn.Linear):
 
     def forward(self, x: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
         if self.gguf_type is not None:
-            return gguf_quant.matmul(x, self.weight, self.gguf_type, self.bias)
+            return self.block_matmul(x, opts)
         if self.is_fp8:
             return self.fp8_linear(x, opts, self.bias)
         if opts is not None and opts.use_gemv(x):
@@ -125,7 +135,8 @@ class ColumnParallelLinear(BlockWeight, Fp8Weight, nn.Linear):
         On the CPU (native kernels, no ``rope``) a block weight takes one native call for all of it."""
         if opts.native_cpu:
             if self.gguf_type is not None and self.bias is None:
-                return gguf_quant.gemv_fused(residual, self.weight, self.gguf_type, norm=norm, silu_mul=silu_mul)
+                return gguf_quant.gemv_fused(residual, self.weight, self.gguf_type, norm=norm, silu_mul=silu_mul,
+                                             q8=opts.q8_activations)
             out = self.forward(norm(residual, opts=opts), opts)
             return silu_and_mul(out, opts) if silu_mul else out
         return gemv(residual, self.weight, self.bias, norm_weight=norm.weight, eps=norm.eps, silu_mul=silu_mul,
@@ -171,7 +182,7 @@ class RowParallelLinear(BlockWeight, Fp8Weight, nn.Linear):
 
     def forward(self, x: torch.Tensor, opts: KernelOptions | None = None) -> torch.Tensor:
         if self.gguf_type is not None:  # kept only at tp_size 1 (CausalLM.keep_gguf_blocks)
-            return gguf_quant.matmul(x, self.weight, self.gguf_type, self.bias)
+            return self.block_matmul(x, opts)
         if self.is_fp8:
             if self.tp_size == 1:
                 return self.fp8_linear(x, opts, self.bias)
@@ -191,7 +202,7 @@ class RowParallelLinear(BlockWeight, Fp8Weight, nn.Linear):
         ``residual + out``) unless the output must be all-reduced first. On the CPU a block weight adds in its
         native call."""
         if self.gguf_type is not None and opts.native_cpu and self.bias is None:
-            gguf_quant.gemv_fused(x, self.weight, self.gguf_type, residual=residual)
+            gguf_quant.gemv_fused(x, self.weight, self.gguf_type, residual=residual, q8=opts.q8_activations)
         elif self.tp_size > 1 or not opts.fused_gemv:
             residual.add_(self.forward(x, opts))
         else:
@@ -247,7 +258,7 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size
     """hidden @ weight.T over the full vocabulary, from this rank's vocab rows of ``weight`` (GGUF blocks
     of ``gguf_type`` when set)."""
     if gguf_type is not None:
-        logits = gguf_quant.matmul(hidden, weight, gguf_type)
+        logits = gguf_quant.matmul(hidden, weight, gguf_type, q8=_q8(opts))
     elif opts is not None and opts.use_gemv(hidden):
         logits = gemv(hidden.contiguous(), weight, configs=opts.configs, pdl=opts.pdl)
     else:

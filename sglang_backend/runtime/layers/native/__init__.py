@@ -120,7 +120,9 @@ _SIGNATURES = {
     "paged_attention": "ppppippiiiiffipt",
     "rmsnorm": "pppiifpt",
     "rope_store_kv": "piiiipppppt",
-    "gguf_gemv_fused": "tpipiptpftt",
+    "gguf_gemv_fused": "tpipiptpfttt",
+    "gguf_matmul_q8": "tpiipipt",
+    "gguf_quantize_q8": "piippp",
 }
 _CTYPES = {"i": ctypes.c_int64, "p": ctypes.c_void_p, "f": ctypes.c_float, "t": ctypes.c_int}
 

@@ -19,3 +19,5 @@ static inline float hsum(__m256 v) {
 void rmsnorm(const float *x, float *residual, const float *w, int64_t rows, int64_t dim, float eps, float *out,
              int threads);
 int gguf_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int threads);
+int gguf_matmul_q8(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
+                   int threads);

@@ -9,14 +9,15 @@
 
 /* y = W . x' for one row x of K floats and a GGUF block weight W of N rows, where x' = rmsnorm(x) * norm_w when
  * norm_w is given (else x). silu_mul: W is [gate; up] and y[j] = silu(g_j) * u_j for j < N / 2. accumulate: the
- * result is added into y (y += ...) instead of stored. Returns gguf_matmul's status. */
+ * result is added into y (y += ...) instead of stored. q8: x' is quantized to 8 bits per block of 32 and multiplied
+ * in integers (gguf_matmul_q8). Returns the matmul's status. */
 int gguf_gemv_fused(int type, const float *x, int64_t K, const uint8_t *w, int64_t N, float *y, int threads,
-                    const float *norm_w, float eps, int silu_mul, int accumulate) {
+                    const float *norm_w, float eps, int silu_mul, int accumulate, int q8) {
     float *scratch = (float *)malloc((size_t)(K + N) * sizeof(float));
     if (!scratch) abort();
     float *xn = scratch, *out = scratch + K;
     if (norm_w) rmsnorm(x, NULL, norm_w, 1, K, eps, xn, 1);
-    const int status = gguf_matmul(type, norm_w ? xn : x, 1, K, w, N, out, threads);
+    const int status = (q8 ? gguf_matmul_q8 : gguf_matmul)(type, norm_w ? xn : x, 1, K, w, N, out, threads);
     if (status == 0) {
         const int64_t n = silu_mul ? N / 2 : N;
         for (int64_t j = 0; j < n; j++) {
