@@ -53,7 +53,7 @@ class HostKVPool:
         if not self._sorted:
             self.free_slots = torch.sort(self.free_slots).values
             self._sorted = True
-        slots, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        slots, self.free_slots = self.free_slots[:n].clone(), self.free_slots[n:]  # own storage: nodes keep it
         return slots
 
     def free(self, host_slots: torch.Tensor) -> None:
