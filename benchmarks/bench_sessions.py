@@ -27,6 +27,8 @@ import statistics
 import threading
 import time
 
+from benchmarks.common import rotated, variant_medians
+
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
          "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
@@ -133,19 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     runs = []
     for rnd in range(args.rounds):
-        for variant in variants[rnd % len(variants):] + variants[: rnd % len(variants)]:
+        for variant in rotated(variants, rnd):
             runs.append(dict(round=rnd, **one_run(args, variant)))
             r = runs[-1]
             print(f"round {rnd} {variant:8s}: agents p50 {r['agent_p50_s']:.2f} s, max {r['agent_max_s']:.2f} s, "
                   f"{r['programs_per_s']:.3f} programs/s, re-prefilled {r['recomputed_tokens']} tokens, "
                   f"from host {r['host_loaded_tokens']}, noise {r['noise_requests_per_s']:.2f} req/s", flush=True)
-    summary = {v: {k: statistics.median(r[k] for r in runs if r["variant"] == v) for k in SUMMARY_KEYS}
-               for v in variants}
-    if "generic" in summary:
-        base = summary["generic"]
-        for v in variants:
-            summary[v]["p50_speedup_over_generic"] = base["agent_p50_s"] / summary[v]["agent_p50_s"]
-            summary[v]["throughput_over_generic"] = summary[v]["programs_per_s"] / base["programs_per_s"]
+    summary = variant_medians(runs, "variant", variants, SUMMARY_KEYS, "generic", "agent_p50_s", "programs_per_s")
     print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -71,6 +71,26 @@ def summarize(samples: list[float]) -> dict[str, Any]:
     }
 
 
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """``names`` starting at ``round_index`` (mod their number): interleaved rounds run the variants in another order
+    each time."""
+    k = round_index % len(names)
+    return names[k:] + names[:k]
+
+
+def variant_medians(runs: list[dict], field: str, names: list[str], keys: tuple[str, ...], base: str, time_key: str,
+                    rate_key: str) -> dict[str, dict]:
+    """Per variant (``run[field]``), the median over its runs of each of ``keys``; with ``base`` among the variants,
+    each one's ``p50_speedup_over_<base>`` (the base's ``time_key`` / its own) and ``throughput_over_<base>`` (its
+    ``rate_key`` / the base's)."""
+    summary = {n: {k: statistics.median(r[k] for r in runs if r[field] == n) for k in keys} for n in names}
+    if base in summary:
+        for n in names:
+            summary[n][f"p50_speedup_over_{base}"] = summary[base][time_key] / summary[n][time_key]
+            summary[n][f"throughput_over_{base}"] = summary[n][rate_key] / summary[base][rate_key]
+    return summary
+
+
 def safe_div(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b <= 0:
         return None

@@ -36,6 +36,8 @@ import time
 
 import httpx
 
+from benchmarks.common import rotated, variant_medians
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "adapters", "dspy"))  # sglang_dspy, as the tests import it
 
@@ -161,19 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     Agent = make_agent_class(dspy)
     runs = []
     for rnd in range(args.rounds):
-        for route in routes[rnd % len(routes):] + routes[: rnd % len(routes)]:
+        for route in rotated(routes, rnd):
             runs.append(dict(round=rnd, **one_run(route, args, dspy, Agent)))
             r = runs[-1]
             print(f"round {rnd} {route:15s}: p50 {r['p50_s']:.1f} s, max {r['max_s']:.1f} s, {r['programs_per_s']:.3f} "
                   f"programs/s, {r['lm_calls']} calls, prompt {r['prompt_tokens']} computed "
                   f"{r['computed_prompt_tokens']} from host {r['host_loaded_tokens']}, errors {len(r['errors'])}",
                   flush=True)
-    summary = {route: {k: statistics.median(r[k] for r in runs if r["route"] == route) for k in SUMMARY_KEYS}
-               for route in routes}
-    if "openai" in summary:
-        for route in routes:
-            summary[route]["p50_speedup_over_openai"] = summary["openai"]["p50_s"] / summary[route]["p50_s"]
-            summary[route]["throughput_over_openai"] = summary[route]["programs_per_s"] / summary["openai"]["programs_per_s"]
+    summary = variant_medians(runs, "route", routes, SUMMARY_KEYS, "openai", "p50_s", "programs_per_s")
     print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out, "w") as f:

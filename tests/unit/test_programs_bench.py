@@ -33,3 +33,15 @@ def test_routes_and_arguments():
     assert set(dspy_agents.ROUTES) == {"sglang", "sglang_no_tier", "sglang_radix_only", "openai"}
     with pytest.raises(SystemExit):
         dspy_agents.main(["--routes", "nope"])
+
+
+def test_rounds_rotate_and_variants_are_summarised_against_the_base():
+    from benchmarks.common import rotated, variant_medians
+
+    assert [rotated(["a", "b", "c"], r) for r in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                               ["a", "b", "c"]]
+    runs = [dict(v="base", t=10.0, rate=1.0), dict(v="base", t=30.0, rate=3.0), dict(v="fast", t=5.0, rate=4.0)]
+    s = variant_medians(runs, "v", ["base", "fast"], ("t", "rate"), "base", "t", "rate")
+    assert s["base"] == {"t": 20.0, "rate": 2.0, "p50_speedup_over_base": 1.0, "throughput_over_base": 1.0}
+    assert s["fast"]["p50_speedup_over_base"] == 4.0 and s["fast"]["throughput_over_base"] == 2.0
+    assert "p50_speedup_over_base" not in variant_medians(runs, "v", ["fast"], ("t", "rate"), "base", "t", "rate")["fast"]
