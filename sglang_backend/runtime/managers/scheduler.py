@@ -465,7 +465,7 @@ class Scheduler:
 
     def _memory_short(self, plan: PrefillPlan, req: Req) -> bool:
         """Whether the request's uncached tokens plus the batch's decode reservation exceed the device memory that
-        can be had (as ``_fit_extend`` judges it; a host hit counts as uncached: loading it takes as much room)."""
+        can be had (``_fit_extend``'s memory test; a host hit counts as uncached: loading it takes as much room)."""
         need = req.seq_len - len(req.prefix_indices)
         reserve = int((plan.decode_reserve + self._tokens_to_reserve(req)) * self.new_token_ratio)
         return need + reserve > self.available_tokens() and bool(self.running or plan.reqs)
@@ -487,10 +487,9 @@ class Scheduler:
         """How many of the request's tokens this batch computes (fewer when chunked), or None if it does not fit:
         its decode reservation exceeds the free KV, or the prompt exceeds the budgets and cannot be chunked."""
         sa = self.server_args
-        extend = req.seq_len - prefix_len
-        reserve = int((plan.decode_reserve + self._tokens_to_reserve(req)) * self.new_token_ratio)
-        if extend + reserve > self.available_tokens() and (self.running or plan.reqs):
+        if self._memory_short(plan, req):
             return None
+        extend = req.seq_len - prefix_len
         budget = min(plan.chunk_budget, plan.input_budget)
         chunked = False  # set on the request only once it is admitted (a request left waiting stays unchunked)
         if extend > budget:
