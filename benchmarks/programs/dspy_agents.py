@@ -78,46 +78,35 @@ def server_stats(client: httpx.Client) -> dict:
     return client.get("/get_stats").json()
 
 
-def one_run(route: str, args, dspy, Agent) -> dict:
-    """One route on a fresh server: all agents at once; returns times and the server's token counts."""
+def run_route(flags: list, args, n: int, make_program, label: str = "agent") -> tuple[dict, list[float]]:
+    """On a fresh server with the pool ``args.pool_tokens`` plus ``flags`` (``None``: ``args.host_tokens``), ``n``
+    programs at once, one thread each. ``make_program(url, key, model_id)`` returns ``program(i)``, which prepares
+    program ``i`` and returns it as a callable of no arguments (the part that is timed). Returns the figures (times,
+    the server's token counts over the run) and the sorted program times."""
     from benchmarks.bench_server_load import OwnServer  # deferred: only when a server is started here
-    from sglang_dspy import SGLangLM
 
-    kind, extra = ROUTES[route]
-    extra = [str(args.host_tokens) if a is None else a for a in extra]
+    extra = [str(args.host_tokens) if a is None else a for a in flags]
     key = secrets.token_hex(8)
     server = OwnServer(["--max-total-tokens", str(args.pool_tokens), *extra], args.server_threads, key)
     try:
         server.wait_ready()
         client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=600)
         model_id = client.get("/v1/models").json()["data"][0]["id"]
-        if kind.startswith("sglang"):
-            lm = SGLangLM(base_url=server.url, api_key=key, max_tokens=args.max_tokens, temperature=0.0, cache=False,
-                          auto_session=kind == "sglang")
-        else:
-            lm = dspy.LM(f"openai/{model_id}", api_base=server.url + "/v1", api_key=key, max_tokens=args.max_tokens,
-                         temperature=0.0, cache=False, num_retries=0)
+        program = make_program(server.url, key, model_id)
         before = server_stats(client)
         times, errors = [], []
 
-        def run_agent(i: int) -> None:
-            rng = random.Random(1000 + i)
-            task = f"Agent {i}. Task: {words(rng, args.task_words)}"
-
-            def tool(k: int) -> str:
-                time.sleep(rng.uniform(*args.tool_s))
-                return words(rng, args.obs_words)
-
+        def run_one(i: int) -> None:
+            call = program(i)
             t0 = time.perf_counter()
             try:
-                with dspy.context(lm=lm):
-                    Agent()(task=task, tool=tool, steps=args.steps)
+                call()
             except Exception as e:  # noqa: BLE001 - a failed program is reported, the others go on
-                errors.append(f"agent {i}: {type(e).__name__}: {e}"[:300])
+                errors.append(f"{label} {i}: {type(e).__name__}: {e}"[:300])
             times.append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=run_agent, args=(i,)) for i in range(args.agents)]
+        threads = [threading.Thread(target=run_one, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:
@@ -129,52 +118,110 @@ def one_run(route: str, args, dspy, Agent) -> dict:
     prompt = after["num_prompt_tokens"] - before["num_prompt_tokens"]
     cached = after["num_cached_tokens"] - before["num_cached_tokens"]
     times.sort()
-    return dict(route=route, elapsed_s=elapsed, programs_per_s=args.agents / elapsed,
-                p50_s=statistics.median(times), max_s=times[-1], errors=errors,
-                lm_calls=after["num_finished"] - before["num_finished"], prompt_tokens=prompt, cached_tokens=cached,
-                computed_prompt_tokens=prompt - cached, host_loaded_tokens=after.get("kv_host_loaded_tokens", 0))
+    return dict(elapsed_s=elapsed, programs_per_s=n / elapsed, p50_s=statistics.median(times), max_s=times[-1],
+                errors=errors, lm_calls=after["num_finished"] - before["num_finished"], prompt_tokens=prompt,
+                cached_tokens=cached, computed_prompt_tokens=prompt - cached,
+                host_loaded_tokens=after.get("kv_host_loaded_tokens", 0)), times
+
+
+def one_run(route: str, args, dspy, Agent) -> dict:
+    """One route on a fresh server: all agents at once; returns times and the server's token counts."""
+    from sglang_dspy import SGLangLM
+
+    kind, flags = ROUTES[route]
+
+    def make_program(url: str, key: str, model_id: str):
+        if kind.startswith("sglang"):
+            lm = SGLangLM(base_url=url, api_key=key, max_tokens=args.max_tokens, temperature=0.0, cache=False,
+                          auto_session=kind == "sglang")
+        else:
+            lm = dspy.LM(f"openai/{model_id}", api_base=url + "/v1", api_key=key, max_tokens=args.max_tokens,
+                         temperature=0.0, cache=False, num_retries=0)
+
+        def program(i: int):
+            rng = random.Random(1000 + i)
+            task = f"Agent {i}. Task: {words(rng, args.task_words)}"
+
+            def tool(k: int) -> str:
+                time.sleep(rng.uniform(*args.tool_s))
+                return words(rng, args.obs_words)
+
+            def call() -> None:
+                with dspy.context(lm=lm):
+                    Agent()(task=task, tool=tool, steps=args.steps)
+
+            return call
+
+        return program
+
+    figures, _ = run_route(flags, args, args.agents, make_program)
+    return dict(route=route, **figures)
 
 
 SUMMARY_KEYS = ("p50_s", "max_s", "elapsed_s", "programs_per_s", "lm_calls", "prompt_tokens", "computed_prompt_tokens",
                 "host_loaded_tokens")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--agents", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--task-words", type=int, default=300)
-    ap.add_argument("--obs-words", type=int, default=40)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--tool-s", type=float, nargs=2, default=(0.2, 0.6), metavar=("MIN", "MAX"))
-    ap.add_argument("--pool-tokens", type=int, default=2048, help="each server's KV pool: smaller than the agents' histories")
+def route_parser(doc: str, routes: dict) -> argparse.ArgumentParser:
+    """The arguments every program benchmark takes: each server's pool and host tier, routes, rounds, threads, out."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pool-tokens", type=int, default=2048, help="each server's KV pool: smaller than the programs' "
+                    "histories")
     ap.add_argument("--host-tokens", type=int, default=32768, help="the host tier of the sglang route")
-    ap.add_argument("--routes", default=",".join(ROUTES), help="comma-separated: " + ", ".join(ROUTES))
+    ap.add_argument("--routes", default=",".join(routes), help="comma-separated: " + ", ".join(routes))
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--server-threads", type=int, default=None, help="OMP threads of each server")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
-    if not routes or any(r not in ROUTES for r in routes):
-        ap.error(f"routes must be among {list(ROUTES)}")
-    import dspy  # deferred: --help without DSPy
+    return ap
 
-    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
-    Agent = make_agent_class(dspy)
+
+def add_agent_args(ap: argparse.ArgumentParser, max_tokens: int) -> None:
+    """An agent program's shape: its task text, each tool observation, each reply, each tool's sleep."""
+    ap.add_argument("--task-words", type=int, default=300)
+    ap.add_argument("--obs-words", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    ap.add_argument("--tool-s", type=float, nargs=2, default=(0.2, 0.6), metavar=("MIN", "MAX"))
+
+
+def chosen_routes(ap: argparse.ArgumentParser, args, routes: dict) -> list[str]:
+    chosen = [r.strip() for r in args.routes.split(",") if r.strip()]
+    if not chosen or any(r not in routes for r in chosen):
+        ap.error(f"routes must be among {list(routes)}")
+    return chosen
+
+
+def run_rounds(routes: list[str], args, one_route, summary_keys: tuple[str, ...], base: str = "openai") -> dict:
+    """``args.rounds`` interleaved rounds of ``one_route(route)`` (order rotating each round): prints each run, then
+    the per-route medians (against ``base``), and writes all to ``args.out``."""
     runs = []
     for rnd in range(args.rounds):
         for route in rotated(routes, rnd):
-            runs.append(dict(round=rnd, **one_run(route, args, dspy, Agent)))
+            runs.append(dict(round=rnd, **one_route(route)))
             r = runs[-1]
             print(f"round {rnd} {route:15s}: p50 {r['p50_s']:.1f} s, max {r['max_s']:.1f} s, {r['programs_per_s']:.3f} "
                   f"programs/s, {r['lm_calls']} calls, prompt {r['prompt_tokens']} computed "
                   f"{r['computed_prompt_tokens']} from host {r['host_loaded_tokens']}, errors {len(r['errors'])}",
                   flush=True)
-    summary = variant_medians(runs, "route", routes, SUMMARY_KEYS, "openai", "p50_s", "programs_per_s")
+    summary = variant_medians(runs, "route", routes, summary_keys, base, "p50_s", "programs_per_s")
     print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(args=vars(args), runs=runs, summary=summary), f, indent=1)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = route_parser(__doc__, ROUTES)
+    ap.add_argument("--agents", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    add_agent_args(ap, max_tokens=48)
+    args = ap.parse_args(argv)
+    routes = chosen_routes(ap, args, ROUTES)
+    import dspy  # deferred: --help without DSPy
+
+    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=False)
+    Agent = make_agent_class(dspy)
+    run_rounds(routes, args, lambda route: one_run(route, args, dspy, Agent), SUMMARY_KEYS)
     return 0
 
 
