@@ -175,9 +175,9 @@ def route_parser(doc: str, routes: dict) -> argparse.ArgumentParser:
     return ap
 
 
-def add_agent_args(ap: argparse.ArgumentParser, max_tokens: int) -> None:
+def add_agent_args(ap: argparse.ArgumentParser, max_tokens: int, task_words: int = 300) -> None:
     """An agent program's shape: its task text, each tool observation, each reply, each tool's sleep."""
-    ap.add_argument("--task-words", type=int, default=300)
+    ap.add_argument("--task-words", type=int, default=task_words)
     ap.add_argument("--obs-words", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=max_tokens)
     ap.add_argument("--tool-s", type=float, nargs=2, default=(0.2, 0.6), metavar=("MIN", "MAX"))
