@@ -6,10 +6,17 @@ reply and a tool observation), ``max_new_tokens`` greedy tokens, then a tool sle
 distribution. Meanwhile ``noise`` threads send unique one-shot prompts, back to back or at ``noise_rate``. The same workload (same
 seeds) runs on one engine per variant, ``rounds`` times each, the order rotating every round:
 
-* ``generic``: the radix cache alone (``session_ttl=0``, no host tier): what any engine with prefix caching gives;
-* ``pins``: session pins (adaptive time to live) keep a live agent's prefix on the device;
-* ``host``: the host tier (``kv_host_size``) keeps evicted KV in host memory and copies it back on a hit;
-* ``all``: both.
+* ``generic``: the radix cache alone (``session_ttl=0``, no host tier, ``program_scheduling="off"``): what any
+  engine with prefix caching gives;
+* ``programs``: program-level scheduling alone (waiting requests of the programs served least go first);
+* ``pins``: session pins alone (adaptive time to live) keep a live agent's prefix on the device;
+* ``host``: the host tier alone (``kv_host_size``) keeps evicted KV in host memory and copies it back on a hit;
+* ``pins_host``: pins and the host tier;
+* ``all``: all three (the defaults plus the host tier).
+
+``--steps`` takes one count or a comma-separated list that agents take in turn (agent ``i`` runs
+``steps[i % len]`` calls): programs of mixed lengths, where program-level scheduling matters; ``--stagger-s``
+makes them arrive over time (agent ``i`` starts ``i * stagger`` seconds in).
 
 Reported per variant (medians over rounds): agent program completion time (p50, max), all agents' wall time and
 programs/s, the agents' re-prefilled prompt tokens (prompt tokens the cache did not have, minus each step's new
@@ -37,12 +44,20 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+def steps_list(text: str) -> list[int]:
+    steps = [int(x) for x in text.split(",") if x.strip()]
+    if not steps or min(steps) < 1:
+        raise argparse.ArgumentTypeError("steps: positive counts, comma-separated")
+    return steps
+
+
 def agent(engine, idx: int, args, out: dict) -> None:
+    time.sleep(idx * args.stagger_s)  # programs arriving over time; each one's completion time counts from its start
     rng = random.Random(1000 + idx)
     history = f"Agent {idx} task: {words(rng, args.task_words)}\n"
     t0 = time.perf_counter()
     recomputed = 0
-    for step in range(args.steps):
+    for step in range(args.steps[idx % len(args.steps)]):
         new_tokens = len(engine.tokenizer.encode(history)) - out.setdefault("_last_len", {}).get(idx, 0)
         r = engine.generate(history, {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True},
                             session_id=f"agent-{idx}")
@@ -69,7 +84,9 @@ def noise(engine, idx: int, args, stop: threading.Event, out: dict) -> None:
     out.setdefault("noise_requests", []).append(n)
 
 
-VARIANTS = {"generic": dict(session_ttl=0), "pins": {}, "host": dict(session_ttl=0, kv_host_size=None),
+OFF = dict(program_scheduling="off")
+VARIANTS = {"generic": dict(session_ttl=0, **OFF), "programs": dict(session_ttl=0), "pins": dict(OFF),
+            "host": dict(session_ttl=0, kv_host_size=None, **OFF), "pins_host": dict(kv_host_size=None, **OFF),
             "all": dict(kv_host_size=None)}  # None: --host-tokens
 
 
@@ -100,24 +117,26 @@ def one_run(args, variant: str) -> dict:
         engine.shutdown()
     times = sorted(a["seconds"] for a in out["agents"])
     return dict(variant=variant, elapsed_s=elapsed, programs_per_s=args.agents / elapsed,
-                agent_p50_s=statistics.median(times), agent_max_s=times[-1],
+                agent_p50_s=statistics.median(times), agent_mean_s=statistics.fmean(times), agent_max_s=times[-1],
                 recomputed_tokens=sum(a["recomputed_tokens"] for a in out["agents"]),
                 noise_requests_per_s=sum(out.get("noise_requests", [])) / elapsed,
                 evicted_tokens=stats["num_evicted_tokens"], host_loaded_tokens=stats.get("kv_host_loaded_tokens", 0),
                 pins={k: v for k, v in stats.items() if k.startswith("session_")},
-                host={k: v for k, v in stats.items() if k.startswith("kv_host_")})
+                host={k: v for k, v in stats.items() if k.startswith("kv_host_")},
+                programs={k: v for k, v in stats.items() if k.startswith("program_")})
 
 
-SUMMARY_KEYS = ("agent_p50_s", "agent_max_s", "elapsed_s", "programs_per_s", "recomputed_tokens", "host_loaded_tokens",
+SUMMARY_KEYS = ("agent_p50_s", "agent_mean_s", "agent_max_s", "elapsed_s", "programs_per_s", "recomputed_tokens", "host_loaded_tokens",
                 "noise_requests_per_s")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=steps_list, default=[4], help="calls per agent: N, or N1,N2,... taken in turn")
     ap.add_argument("--task-words", type=int, default=120)
     ap.add_argument("--obs-words", type=int, default=40)
+    ap.add_argument("--stagger-s", type=float, default=0.0, help="agent i starts i times this many seconds late")
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--tool-s", type=float, nargs=2, default=(0.5, 1.5), metavar=("MIN", "MAX"))
     ap.add_argument("--noise", type=int, default=1, help="threads of one-shot requests from other users")

@@ -15,6 +15,8 @@ QUANTIZATIONS = ("auto", "none", "fp8")
 GEMV_MODES = ("auto", "off", "on", "fused", "fused_rope")  # resolved by layers/kernel_options.py
 ATTENTION_MERGES = ("fused", "stage2")
 CPU_ACTIVATION_QUANTS = ("none", "q8")  # float32 activations, or 8-bit ones as llama.cpp (layers/native/gguf_blocks.c)
+KV_HOST_LOADS = ("auto", "async", "sync")
+PROGRAM_SCHEDULINGS = ("attained", "off")
 EMBEDDING_POOLINGS = ("last", "mean")  # an embedding: the last prompt token's final hidden state, or their mean
 
 
@@ -40,6 +42,7 @@ class ServerArgs:
     max_running_requests: int = field(default=256, metadata={"help": "Request slots (running batch size cap)"})
     page_size: int = field(default=1, metadata={"help": "KV page size in tokens"})
     kv_host_size: int = field(default=0, metadata={"help": "Second KV tier: tokens of host memory (pinned on a GPU) that keep the KV the pool evicts, copied back on a prefix hit instead of computed again (0: off; the radix cache only)"})
+    kv_host_load: str = field(default="auto", metadata={"help": "How KV comes back from the host tier: async (the request waits for its copy outside the batch while the forwards go on), sync (the copy is made as its batch is formed), auto (async on a GPU, sync on a CPU, where the copy is a memcpy on the compute threads)", "choices": KV_HOST_LOADS})
 
     # Scheduling
     schedule_policy: str = field(default="lpm", metadata={"help": "Waiting-queue order", "choices": SCHEDULE_POLICIES})
@@ -63,6 +66,8 @@ class ServerArgs:
     session_ttl: float | None = field(default=None, metadata={"help": "Seconds a finished request's KV stays pinned for the next request of its session_id (None: adaptive, twice the 90th percentile of the gaps seen between a session's calls, 1 s to session_ttl_max; 10 s before any gap is seen; 0: no pins)"})
     session_ttl_max: float = field(default=60.0, metadata={"help": "Longest adaptive session pin time to live, seconds"})
     session_pin_max_fraction: float = field(default=0.5, metadata={"help": "Most of the KV pool that session pins may hold together (the oldest pins go first)"})
+    program_scheduling: str = field(default="attained", metadata={"help": "Among waiting requests, programs (session_id) served least go first, the schedule policy's order within a level (managers/program_service.py); off: the policy alone", "choices": PROGRAM_SCHEDULINGS})
+    program_service_quantum: int = field(default=2048, metadata={"help": "Tokens computed for a program before it drops from priority level 0; each doubling is one level more"})
     enable_in_batch_prefix_dedup: bool = field(default=True, metadata={"help": "Hold back requests whose shared prefix is being computed"})
 
     # Runtime
@@ -155,6 +160,12 @@ class ServerArgs:
             raise ValueError("session_ttl must be >= 0 seconds (0: no session pins; unset: adaptive)")
         if not self.session_ttl_max >= 1.0:
             raise ValueError("session_ttl_max must be >= 1 second")
+        if self.kv_host_load not in KV_HOST_LOADS:
+            raise ValueError(f"kv_host_load must be one of {KV_HOST_LOADS}, got {self.kv_host_load!r}")
+        if self.program_scheduling not in PROGRAM_SCHEDULINGS:
+            raise ValueError(f"program_scheduling must be one of {PROGRAM_SCHEDULINGS}, got {self.program_scheduling!r}")
+        if self.program_service_quantum < 1:
+            raise ValueError("program_service_quantum must be >= 1 token")
         if not 0.0 <= self.session_pin_max_fraction <= 1.0:
             raise ValueError("session_pin_max_fraction must be within [0, 1]")
         if self.grammar_backend not in ("auto", "llguidance", "fsm"):

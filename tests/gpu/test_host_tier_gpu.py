@@ -16,8 +16,9 @@ if not torch.cuda.is_available():
 from tests.gpu.test_gpu_engine import _prompts, _run, _same_greedy, peaked_model_dir  # noqa: E402,F401 - a fixture
 
 
+@pytest.mark.parametrize("wait", [True, False], ids=["sync", "async"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_pinned_round_trip_is_bit_identical(dtype):
+def test_pinned_round_trip_is_bit_identical(dtype, wait):
     from sglang_backend.runtime.mem_cache.host_pool import HostKVPool
     from sglang_backend.runtime.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -33,29 +34,34 @@ def test_pinned_round_trip_is_bit_identical(dtype):
     host.backup(src, slots)
     for buf in dev.k_buffer + dev.v_buffer:
         buf.zero_()
-    host.restore(slots, dst)
+    done = host.restore(slots, dst, wait=wait)
+    if not wait:  # the scatter ran on the copy stream: the event says when the rows are in place
+        done.synchronize()
     torch.cuda.synchronize()
     for b, want in zip(dev.k_buffer + dev.v_buffer, before):
         assert torch.equal(b[dst.cuda()], want)
 
 
+@pytest.mark.parametrize("load", ["sync", "async"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_host_tier_engine_matches_torch_native(peaked_model_dir, dtype):
+def test_host_tier_engine_matches_torch_native(peaked_model_dir, dtype, load):
     from sglang_backend import Engine
 
     ref, _, _ = _run(peaked_model_dir, dtype, attention_backend="torch_native")
     ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
     prompts = _prompts()
     eng = Engine(model_path=peaked_model_dir, device="cuda", dtype=dtype, attention_backend="triton",
-                 max_total_tokens=1024, kv_host_size=8192, max_running_requests=16, check_pool_on_idle=True,
-                 log_level="warning")
+                 max_total_tokens=1024, kv_host_size=8192, kv_host_load=load, max_running_requests=16,
+                 check_pool_on_idle=True, log_level="warning")
     sp = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     try:
-        assert eng.scheduler.overlap is not None
+        assert eng.scheduler.overlap is not None and eng.scheduler.async_host_loads == (load == "async")
         outs = []
         for _ in range(2):  # the second pass finds the first pass's prefixes in host memory
             for p in prompts:  # one at a time: each evicts the one before from the 1024-token pool
                 outs.append(eng.generate(input_ids=p, sampling_params=sp)["output_ids"])
+        # all at once: some requests wait for their loads while others' forwards run (async), under retraction
+        outs += [r["output_ids"] for r in eng.generate(input_ids=prompts, sampling_params=sp)]
         stats = eng.get_stats()
         eng.check_pool_whole()
     finally:
@@ -66,4 +72,5 @@ def test_host_tier_engine_matches_torch_native(peaked_model_dir, dtype):
     assert stats["kv_host_loaded_tokens"] > 0 and stats["kv_host_written_tokens"] > 0, stats
     n = len(prompts)
     _same_greedy(ref_ids, ref_top, outs[:n], dtype, "host tier, first pass")
-    _same_greedy(ref_ids, ref_top, outs[n:], dtype, "host tier, loaded back from host memory")
+    _same_greedy(ref_ids, ref_top, outs[n:2 * n], dtype, "host tier, loaded back from host memory")
+    _same_greedy(ref_ids, ref_top, outs[2 * n:], dtype, "host tier, all at once")

@@ -170,12 +170,118 @@ def test_random_workload_keeps_every_invariant():
     assert t.host.loaded_tokens > 0 and t.tree.num_host_evicted_tokens > 0
 
 
+class SlowCopy:
+    """An asynchronous copy as an event that is done once ``finish`` is called."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def finish(self) -> None:
+        self.done = True
+
+
+def test_an_asynchronous_load_locks_its_path_and_flags_it_until_its_copy_is_done(monkeypatch):
+    t = Tiered(device_tokens=32, host_tokens=64)
+    rng = random.Random(5)
+    first, other = [rng.randrange(3, 50) for _ in range(20)], [rng.randrange(3, 50) for _ in range(20)]
+    t.put(first)
+    t.put(other)  # evicts most of ``first`` to the host
+    match = t.tree.match_prefix(first)
+    assert match.host_hit_len > 0
+    copy = SlowCopy()
+    real_restore = t.host.restore
+    monkeypatch.setattr(t.host, "restore", lambda h, d, wait=True: (real_restore(h, d), copy)[1])
+    assert t.tree.load_back(match.last_host_node, t.slots, wait=False)
+    loaded = t.tree.match_prefix(first)
+    assert loaded.host_hit_len == 0 and len(loaded.device_indices) == 20
+    assert t.tree.loading_on_path(loaded.last_node) and not t.tree.loading_on_path(t.tree.root_node)
+    assert t.tree.protected_size() == match.host_hit_len  # the loaded nodes are locked: nothing may evict them
+    assert t.tree.evict(64) <= 20 - match.host_hit_len
+    assert t.tree.poll_loads() == 1 and t.tree.loading_on_path(loaded.last_node)
+    copy.finish()
+    assert t.tree.poll_loads() == 0 and not t.tree.loading_on_path(loaded.last_node)
+    assert t.tree.protected_size() == 0 and t.tree.host_report()["kv_host_loads_in_flight"] == 0
+    t.tree.check_invariants()
+    assert not t.tree.wait_for_load()
+
+
+def test_an_asynchronous_load_keeps_its_request_out_of_the_batch_until_done(make_sched, monkeypatch):
+    """The request whose prefix copies back is passed over (others run) until its copy is done; then it is admitted
+    with the whole prefix cached, and its tokens equal a synchronous load's."""
+    rng = random.Random(7)
+    history, others = rand_ids(rng, 90), [rand_ids(rng, 100) for _ in range(3)]
+
+    def returning(sched):
+        for rid, ids in (("agent1", history), *((f"other{i}", o) for i, o in enumerate(others))):
+            sched.add_request(new_req(sched, rid, ids, max_new_tokens=2))
+            drain(sched)
+        again = new_req(sched, "agent2", history + [7, 8], max_new_tokens=4, ignore_eos=True)
+        bystander = new_req(sched, "bystander", rand_ids(rng, 10), max_new_tokens=4, ignore_eos=True)
+        sched.add_request(again)
+        sched.add_request(bystander)
+        return again, bystander
+
+    sync = make_sched(max_total_tokens=160, kv_host_size=1024, kv_host_load="sync")
+    expected, _ = returning(sync)
+    drain(sync)
+    sched = make_sched(max_total_tokens=160, kv_host_size=1024, kv_host_load="async")
+    copies = []
+    real_restore = sched.tree_cache.host.restore
+
+    def slow_restore(host_slots, device_slots, wait=True):
+        assert not wait
+        real_restore(host_slots, device_slots)
+        copies.append(SlowCopy())
+        return copies[-1]
+
+    monkeypatch.setattr(sched.tree_cache.host, "restore", slow_restore)
+    again, bystander = returning(sched)
+    sched.step()  # the load starts; the bystander's prefill runs without waiting for it
+    assert len(copies) == 1 and again not in sched.running and bystander in sched.running
+    assert sched.get_stats()["kv_host_loads_in_flight"] == 1
+    sched.step()
+    assert again not in sched.running  # still copying
+    copies[0].finish()
+    sched.step()
+    assert again in sched.running and again.cached_tokens == 90
+    drain(sched)
+    assert again.output_ids == expected.output_ids and sched.get_stats()["kv_host_loads_in_flight"] == 0
+
+
+def test_an_aborted_request_s_load_still_ends(make_sched, monkeypatch):
+    rng = random.Random(8)
+    history = rand_ids(rng, 90)
+    sched = make_sched(max_total_tokens=128, kv_host_size=1024, kv_host_load="async")
+    copies = []
+    real_restore = sched.tree_cache.host.restore
+    monkeypatch.setattr(sched.tree_cache.host, "restore",
+                        lambda h, d, wait=True: (real_restore(h, d), copies.append(SlowCopy()), copies[-1])[2])
+    for rid, ids in (("agent1", history), ("other", rand_ids(rng, 120))):
+        sched.add_request(new_req(sched, rid, ids, max_new_tokens=2))
+        drain(sched)
+    sched.add_request(new_req(sched, "agent2", history + [5], max_new_tokens=2))
+    sched.add_request(new_req(sched, "bystander", rand_ids(rng, 8), max_new_tokens=3, ignore_eos=True))
+    sched.step()  # the load starts, the bystander runs
+    assert len(copies) == 1 and sched.abort_request("agent2") is not None
+    assert sched.get_stats()["kv_host_loads_in_flight"] == 1 and not copies[0].done
+    drain(sched)  # the bystander finishes; then, with nothing else to do, the scheduler waits for the copy
+    assert copies[0].done and not sched.has_work() and sched.get_stats()["kv_host_loads_in_flight"] == 0
+
+
 # The scheduler ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", [
     dict(kv_host_size=512),
     dict(kv_host_size=24),  # smaller than what is evicted: the host drops copies too
     dict(kv_host_size=256, page_size=4, chunked_prefill_size=16),
-], ids=["host512", "host24", "host256-page4-chunked16"])
+    dict(kv_host_size=512, kv_host_load="async"),
+    dict(kv_host_size=24, kv_host_load="async", page_size=4, chunked_prefill_size=16),
+], ids=["host512", "host24", "host256-page4-chunked16", "host512-async", "host24-async-page4-chunked16"])
 def test_outputs_identical_with_the_host_tier_under_pressure(make_sched, reference_outputs, variant):
     sched = make_sched(max_total_tokens=SMALL_POOL, **variant)
     assert run_workload(sched, WORKLOAD) == reference_outputs
@@ -186,7 +292,8 @@ def test_outputs_identical_with_the_host_tier_under_pressure(make_sched, referen
     check_variant_really_applied(sched, variant)
 
 
-def test_a_returning_prompt_is_loaded_from_the_host_not_computed(make_sched):
+@pytest.mark.parametrize("load", ["sync", "async"])
+def test_a_returning_prompt_is_loaded_from_the_host_not_computed(make_sched, load):
     rng = random.Random(3)
     history, tail = rand_ids(rng, 90), rand_ids(rng, 5)
     others = [rand_ids(rng, 100) for _ in range(3)]  # other users' prompts push the agent's KV out of the pool
@@ -200,7 +307,7 @@ def test_a_returning_prompt_is_loaded_from_the_host_not_computed(make_sched):
         drain(sched)
         return again
 
-    tiered = make_sched(max_total_tokens=128, kv_host_size=1024)
+    tiered = make_sched(max_total_tokens=128, kv_host_size=1024, kv_host_load=load)
     again = agent_returns(tiered)
     assert again.cached_tokens == 90
     assert tiered.get_stats()["kv_host_loaded_tokens"] == 90

@@ -5,7 +5,8 @@
   request tree reaches the optimal hit rate when the cache holds the longest request).
 * ``fcfs`` / ``random``: ablations.
 
-On top of any policy: the starvation bound (a request skipped ``starvation_limit`` rounds goes first, in
+On top of any policy: program-level priority (``ProgramService``: programs served least go first, the policy's
+order within a level), the starvation bound (a request skipped ``starvation_limit`` rounds goes first, in
 arrival order), and in-batch prefix dedup (see ``InBatchPrefixIndex``).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
+from .program_service import ProgramService
 from .schedule_batch import Req
 
 # Below this many tokens of shared uncached prefix, holding a request back is not worth a round trip.
@@ -21,11 +23,13 @@ IN_BATCH_DEDUP_MIN_TOKENS = 32
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache, starvation_limit: int = 64, seed: int = 0):
+    def __init__(self, policy: str, tree_cache, starvation_limit: int = 64, seed: int = 0,
+                 programs: ProgramService | None = None):
         self.policy = policy
         self.tree_cache = tree_cache
         self.starvation_limit = starvation_limit
         self.rng = random.Random(seed)
+        self.programs = programs
 
     def match(self, req: Req) -> None:
         """Refresh the request's cached prefix from the tree (cheap; the tree may have changed)."""
@@ -53,6 +57,8 @@ class SchedulePolicy:
                 ordered = sorted(waiting, key=lambda r: -r.prefix_len_at_match)
             else:
                 ordered = self._dfs_weight(waiting)
+        if self.programs is not None:
+            ordered = self.programs.prioritise(ordered)
         starved = [r for r in ordered if r.skipped_rounds >= self.starvation_limit]
         if starved:
             starved.sort(key=lambda r: r.created_time)

@@ -34,6 +34,7 @@ from .fault_injection import FaultInjector
 from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, SchedulerReady, TokenizedGenerateReq
 from .overlap import OverlapDecoder
 from .schedule_batch import Req, ScheduleBatch, finish_abort, finish_length, finish_stop
+from .program_service import ProgramService
 from .schedule_policy import InBatchPrefixIndex, SchedulePolicy
 from .scheduler_output import OutputCollector
 from .validation import ModelLimits
@@ -146,12 +147,18 @@ class Scheduler:
                 if server_args.kv_host_size else None
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size, host)
         self.host_tier = getattr(self.tree_cache, "host", None) is not None
+        # A request whose KV comes back from host memory waits for the copy outside the forwards, which go on
+        # beside it (GPU); on a CPU the copy is a memcpy on the compute threads, so it is made inside the batch.
+        load = server_args.kv_host_load
+        self.async_host_loads = self.host_tier and (load == "async" or load == "auto" and self.tree_cache.host.on_gpu)
         if self.host_tier:
             host = self.tree_cache.host
             logger.info("KV host tier: %d tokens (%.1f GiB%s)", host.size, host.buffer.nbytes / 2**30,
                         ", pinned" if host.on_gpu else "")
+        self.programs = ProgramService(server_args.program_service_quantum) \
+            if server_args.program_scheduling == "attained" else None
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.starvation_limit,
-                                     server_args.random_seed)
+                                     server_args.random_seed, self.programs)
         # Pins need a tree to lock paths in; session_ttl 0 switches them off.
         self.session_pins = None
         if isinstance(self.tree_cache, RadixCache) and server_args.session_ttl != 0:
@@ -256,7 +263,11 @@ class Scheduler:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_queue)
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_queue or self._host_loads())
+
+    def _host_loads(self) -> int:
+        """Asynchronous loads back from the host tier still copying (their paths stay locked until done)."""
+        return self.host_tier and len(self.tree_cache.loads)
 
     # The front-end's interface (the Engine's loop thread and the server's scheduler process alike) ----------------
     def add_tokenized(self, msg: TokenizedGenerateReq) -> None:
@@ -284,6 +295,8 @@ class Scheduler:
         if kind == "flush_cache":
             return self.flush_cache()
         if kind == "end_session":  # True if the session held a pin
+            if self.programs is not None:
+                self.programs.end(payload)
             return self.session_pins is not None and self.session_pins.end(payload)
         if kind == "get_stats":
             return self.get_stats()
@@ -311,6 +324,8 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Runs one batch. Returns the requests that got new output (tokens or a finish) in this step."""
         out = self._poll_grammars() if self.grammar_queue else []
+        if self._host_loads():
+            self.tree_cache.poll_loads()
         if self.session_pins:
             self.session_pins.expire()
         if self.overlap is not None:
@@ -324,8 +339,8 @@ class Scheduler:
         # A step in flight may stay in flight while the next prefill batch is planned and launched (planning reads
         # the running requests' lengths only); _run_extend finishes it after the launch.
         batch = self._get_new_batch_prefill()
-        while batch is None and self.waiting_queue and not self.running and self._release_pin_for_memory():
-            batch = self._get_new_batch_prefill()  # nothing else would ever free the memory the pins hold
+        while batch is None and self.waiting_queue and not self.running and self._reclaim_held_memory():
+            batch = self._get_new_batch_prefill()  # nothing else would ever free that memory or finish the loads
         if batch is not None:
             out += self._run_extend(batch)
         else:
@@ -333,6 +348,8 @@ class Scheduler:
                 out += self.overlap.drain()  # a synchronous decode sees the running batch up to date
             if self.running:
                 out += self.run_decode()
+            elif self._wait_for_host_load():
+                pass  # the load of a request that left (aborted) while its KV was copying
             elif self.server_args.check_pool_on_idle and not self.has_work():
                 self.check_pool_whole()
         if self.pending_outputs:
@@ -364,7 +381,7 @@ class Scheduler:
             extend = self._logprob_cap(plan, req, req.kv_len, extend)
             req.is_chunked = extend < remaining
             while not self._admit(plan, req, extend):
-                if not self._release_pin_for_memory():
+                if not self._reclaim_held_memory():
                     self._retract_chunked(req)  # its computed chunks wait in the tree; it resumes from there
                     break
 
@@ -430,6 +447,8 @@ class Scheduler:
             t0 = time.perf_counter()
             self.policy.match(req)  # fresh: an admission's allocation may have evicted part of an older match
             self.stats.tree_op_seconds += time.perf_counter() - t0
+        if self._host_loads() and self.tree_cache.loading_on_path(req.last_node):
+            return True  # its prefix is still copying back from the host: a later round takes it
         # Held back a round to hit the prefix an admitted request computes; not a request that reuses no cached
         # prefix (mean-pooled embeddings compute every token), which would only wait for nothing.
         if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
@@ -439,8 +458,11 @@ class Scheduler:
             # A session pin gives way to a waiting request that does not fit: its KV survives in host memory.
             while self._memory_short(plan, req) and self._release_pin_for_memory():
                 pass
-        if req.last_host_node is not None and not self._load_back(plan, req):
-            return False
+        if req.last_host_node is not None:
+            if not self._load_back(plan, req):
+                return False
+            if self._host_loads() and self.tree_cache.loading_on_path(req.last_node):
+                return True  # its KV copies back beside this batch; a later round takes it
         self.tree_cache.inc_lock_ref(req.last_node)
         prefix_len = len(req.prefix_indices)
         extend = self._fit_extend(plan, req, prefix_len)
@@ -477,7 +499,8 @@ class Scheduler:
         if self._memory_short(plan, req):
             return False
         t0 = time.perf_counter()
-        if self.tree_cache.load_back(req.last_host_node, lambda n: self.alloc_slots(n, -1)):
+        if self.tree_cache.load_back(req.last_host_node, lambda n: self.alloc_slots(n, -1),
+                                     wait=not self.async_host_loads):
             self.policy.match(req)
         req.last_host_node = None
         self.stats.tree_op_seconds += time.perf_counter() - t0
@@ -763,6 +786,14 @@ class Scheduler:
         # Only requests whose last page is full need a fresh page.
         return sum(self.page_size for r in self.running if r.kv_len % self.page_size == 0)
 
+    def _wait_for_host_load(self) -> bool:
+        return bool(self._host_loads()) and self.tree_cache.wait_for_load()
+
+    def _reclaim_held_memory(self) -> bool:
+        """Gives up device memory held for later: the oldest load back from the host waited for (done, its KV is
+        evictable again: it stays in host memory), else the oldest session pin. False: nothing held."""
+        return self._wait_for_host_load() or self._release_pin_for_memory()
+
     def _release_pin_for_memory(self) -> bool:
         if self.session_pins is None or not self.session_pins.release_oldest():
             return False
@@ -781,8 +812,8 @@ class Scheduler:
         logger.info("a chunked prompt's next chunk did not fit; it waits for memory")
 
     def _retract_if_needed(self) -> None:
-        while self._decode_need() > self.available_tokens() and self._release_pin_for_memory():
-            pass  # live sessions' pinned KV goes before any running request is retracted
+        while self._decode_need() > self.available_tokens() and self._reclaim_held_memory():
+            pass  # loads back and live sessions' pinned KV go before any running request is retracted
         if self._decode_need() <= self.available_tokens():
             return
         # Retract the requests that have decoded least (cheapest to redo), longest prompts first among them.
@@ -1063,6 +1094,9 @@ class Scheduler:
         self.stats.tree_op_seconds += time.perf_counter() - t0
         if req.finished():
             self.stats.num_finished += 1
+            if self.programs is not None:  # the program's attained service: the tokens computed for this call
+                self.programs.charge(req.session_id,
+                                     len(req.origin_input_ids) - req.cached_tokens + len(req.output_ids))
             if req.session_id is not None and self.session_pins is not None and req.finished_reason["type"] != "abort":
                 self.session_pins.pin(req.session_id, node, req.kv_len - req.kv_len % self.page_size)
 
@@ -1135,6 +1169,7 @@ class Scheduler:
             "max_total_num_tokens": self.max_total_num_tokens,
             "new_token_ratio": self.new_token_ratio,
             **(self.session_pins.report() if self.session_pins is not None else {}),
+            **(self.programs.report() if self.programs is not None else {}),
             **(self.tree_cache.host_report() if isinstance(self.tree_cache, RadixCache) else {}),
             **(self.model_runner.model.mm_stats() if hasattr(self.model_runner.model, "mm_stats") else {}),
         }

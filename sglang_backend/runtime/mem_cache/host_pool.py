@@ -12,7 +12,8 @@ On a GPU the transfers run on a copy stream of their own, overlapped with the fo
 gather and scatter stay on the compute stream, in order with the forwards around them: a backup gathers the evicted
 slots into a staging tensor before any later forward can write them and its transfer to the host runs meanwhile;
 a restore's transfer starts at once (it overlaps the forward in flight), and the compute stream waits for it only
-before scattering the rows into the pool. One copy stream keeps a host row's writes and reads in order. The host
+before scattering the rows into the pool; or (an asynchronous load, ``wait=False``) the scatter runs on the copy
+stream as well and the caller keeps the request out of the forwards until the returned event is done. One copy stream keeps a host row's writes and reads in order. The host
 never waits, except to bound the staging memory of backups still in transfer (``MAX_STAGED_BYTES``).
 """
 
@@ -71,7 +72,16 @@ class HostKVPool:
         assert len(device_slots) == len(host_slots)
         step = max(1, COPY_CHUNK_BYTES // (self.buffer[0].numel() * self.buffer.element_size()))
         for i in range(0, len(host_slots), step):
-            yield device_slots[i : i + step].to(self.device_pool.device), host_slots[i : i + step]
+            yield self._on_device(device_slots[i : i + step]), host_slots[i : i + step]
+
+    def _on_device(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slot indices on the pool's device. On a GPU through pinned memory, without blocking: a plain upload
+        from pageable memory would wait for every forward queued on the stream."""
+        if not self.on_gpu:
+            return slots
+        pinned = torch.empty(slots.shape, dtype=slots.dtype, pin_memory=True)  # PyTorch's caching host allocator
+        pinned.copy_(slots)
+        return pinned.to(self.device_pool.device, non_blocking=True)
 
     @staticmethod
     def _runs(host_slots: torch.Tensor):
@@ -115,21 +125,62 @@ class HostKVPool:
             else:
                 staging[offset : offset + n].copy_(self.buffer[first : first + n], non_blocking=self.on_gpu)
 
-    def restore(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        """Copies the host rows ``host_slots`` into the KV at ``device_slots``."""
+    def restore(self, host_slots: torch.Tensor, device_slots: torch.Tensor, wait: bool = True):
+        """Copies the host rows ``host_slots`` into the KV at ``device_slots``. ``wait``: the compute stream waits for
+        the copy before anything queued after this call (a forward may read the slots at once). Else (a load that
+        nothing reads until it is done) the rows are scattered on the copy stream too, after the compute work
+        queued so far (it may still gather the freshly evicted slots), and the returned event says when they are
+        in place; the forwards queued meanwhile run beside the copy."""
         layers = self._layers()
         shape = self.buffer.shape[1:]
+        main = torch.cuda.current_stream() if self.copy_stream is not None else None
+        queued_before = None
+        if main is not None and not wait:
+            queued_before = torch.cuda.Event()
+            queued_before.record(main)
         for idx, host_part in self._chunks(device_slots, host_slots):
-            if self.copy_stream is None:
+            if main is None:
                 staging = torch.empty((len(host_part), *shape), dtype=self.buffer.dtype)
                 self._copy_runs(host_part, staging, to_host=False)
-            else:
-                main = torch.cuda.current_stream()
-                with torch.cuda.stream(self.copy_stream):  # starts now, beside the forward in flight
-                    staging = torch.empty((len(host_part), *shape), dtype=self.buffer.dtype, device=idx.device)
-                    self._copy_runs(host_part, staging, to_host=False)
+                self._scatter(layers, idx, staging)
+                continue
+            with torch.cuda.stream(self.copy_stream):  # starts now, beside the forward in flight
+                staging = torch.empty((len(host_part), *shape), dtype=self.buffer.dtype, device=idx.device)
+                self._copy_runs(host_part, staging, to_host=False)
+            if wait:
                 main.wait_stream(self.copy_stream)
                 staging.record_stream(main)  # the scatter below reads it on the compute stream
-            for i, buf in enumerate(layers):
-                buf[idx] = staging[:, i]
+                self._scatter(layers, idx, staging)
+            else:
+                self.copy_stream.wait_event(queued_before)
+                idx.record_stream(self.copy_stream)  # made on the compute stream, read on the copy stream
+                with torch.cuda.stream(self.copy_stream):
+                    self._scatter(layers, idx, staging)
         self.loaded_tokens += len(host_slots)
+        if wait:
+            return None
+        if main is None:
+            return COPIED  # a CPU copy is done when the call returns
+        done = torch.cuda.Event()
+        done.record(self.copy_stream)
+        return done
+
+    @staticmethod
+    def _scatter(layers: list[torch.Tensor], idx: torch.Tensor, staging: torch.Tensor) -> None:
+        for i, buf in enumerate(layers):
+            buf[idx] = staging[:, i]
+
+
+class _Copied:
+    """A finished copy, as an event: what ``restore(wait=False)`` returns on the CPU."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        pass
+
+
+COPIED = _Copied()

@@ -16,7 +16,9 @@ returns its slots so prefill only has to compute the rest.
   of a match and says how far it goes on into host-only nodes; ``load_back`` copies that part to fresh device slots.
   Nodes on the device always form a prefix-closed subtree (a host-only node's children are host-only), a node that
   was loaded back keeps its host copy (evicting it again costs no copy), and when the host is full the least
-  recently used host copies go: host-only leaves leave the tree, device nodes just lose their backup.
+  recently used host copies go: host-only leaves leave the tree, device nodes just lose their backup. A load may be
+  asynchronous (``load_back(wait=False)``): its path stays locked and ``loading_on_path`` says so until
+  ``poll_loads`` sees its copy done; nobody may compute on those slots before.
 """
 
 from __future__ import annotations
@@ -82,6 +84,15 @@ class TreeNode:
 
 
 @dataclass
+class HostLoad:
+    """A load back from the host still copying: ``end``'s path stays locked until ``done`` (an event) is."""
+
+    done: Any
+    end: TreeNode
+    node_ids: frozenset[int]  # TreeNode.id of the nodes being filled
+
+
+@dataclass
 class MatchResult:
     device_indices: torch.Tensor  # KV slots of the matched prefix (cpu int64)
     last_node: TreeNode  # node whose path ends exactly at the matched length (root if nothing matched)
@@ -95,6 +106,8 @@ class RadixCache(CachedKVPool):
             assert token_to_kv_pool_allocator.page_size == page_size, "tree and allocator disagree on page_size"
         self.host = host  # HostKVPool (second tier) or None
         self.num_host_evicted_tokens = 0  # host copies dropped for room, cumulative
+        self.loads: list[HostLoad] = []  # asynchronous loads back still copying, oldest first
+        self._loading_ids: set[int] = set()
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
 
     # ------------------------------------------------------------------ basics
@@ -321,9 +334,11 @@ class RadixCache(CachedKVPool):
             return True  # the device copy stays
         return node.lock_ref == 0 and not node.children  # host-only: a leaf not being loaded back
 
-    def load_back(self, host_node: TreeNode, alloc) -> bool:
+    def load_back(self, host_node: TreeNode, alloc, wait: bool = True) -> bool:
         """Copies the host-only path ending at ``host_node`` (a ``MatchResult.last_host_node``) to device slots from
-        ``alloc(n)`` (which may evict); afterwards a match reaches it on the device. False: no device room."""
+        ``alloc(n)`` (which may evict); afterwards a match reaches it on the device. False: no device room.
+        ``wait=False``: the copy runs on while the call returns; until ``poll_loads`` sees it done, the path stays
+        locked and ``loading_on_path`` is true below it (nothing may read the slots)."""
         chain, cur = [], host_node
         while cur.on_host_only:
             chain.append(cur)
@@ -331,11 +346,12 @@ class RadixCache(CachedKVPool):
         chain.reverse()
         n = sum(len(c.key) for c in chain)
         self.inc_lock_ref(host_node)  # neither tier may evict the path while the slots are found
+        done = None
         try:
             slots = alloc(n)
             if slots is None:
                 return False
-            self.host.restore(torch.cat([c.host_value for c in chain]), slots)
+            done = self.host.restore(torch.cat([c.host_value for c in chain]), slots, wait=wait)
             offset = 0
             for c in chain:
                 c.value = slots[offset : offset + len(c.key)].clone()
@@ -343,7 +359,40 @@ class RadixCache(CachedKVPool):
                 offset += len(c.key)
             return True
         finally:
-            self.dec_lock_ref(host_node)
+            if done is None:
+                self.dec_lock_ref(host_node)
+            else:
+                ids = frozenset(c.id for c in chain)
+                self.loads.append(HostLoad(done, host_node, ids))
+                self._loading_ids |= ids
+
+    def poll_loads(self) -> int:
+        """Ends the asynchronous loads whose copies are done (their paths unlock); returns how many are left."""
+        left = []
+        for load in self.loads:
+            if load.done.query():
+                self.dec_lock_ref(load.end)
+                self._loading_ids -= load.node_ids
+            else:
+                left.append(load)
+        self.loads = left
+        return len(left)
+
+    def wait_for_load(self) -> bool:
+        """Blocks until the oldest asynchronous load is done and ends it. False: none in flight."""
+        if not self.loads:
+            return False
+        self.loads[0].done.synchronize()
+        self.poll_loads()
+        return True
+
+    def loading_on_path(self, node: TreeNode) -> bool:
+        """Whether a node on the path from the root to ``node`` is still being loaded back."""
+        while self._loading_ids and node is not None:
+            if node.id in self._loading_ids:
+                return True
+            node = node.parent
+        return False
 
     def host_held_tokens(self) -> int:
         """Host slots the tree's nodes hold (counted by walking the tree)."""
@@ -355,7 +404,7 @@ class RadixCache(CachedKVPool):
         used = self.host.size - self.host.available_size()
         return {"kv_host_total_tokens": self.host.size, "kv_host_used_tokens": used,
                 "kv_host_written_tokens": self.host.written_tokens, "kv_host_loaded_tokens": self.host.loaded_tokens,
-                "kv_host_evicted_tokens": self.num_host_evicted_tokens}
+                "kv_host_evicted_tokens": self.num_host_evicted_tokens, "kv_host_loads_in_flight": len(self.loads)}
 
     # ------------------------------------------------------------------ request hooks
 
