@@ -167,6 +167,22 @@ def multi_turn_chat(tally: Tally, rng: random.Random, vocab: int, scale: float) 
     return n
 
 
+def histories_under_pressure(tally: Tally, rng: random.Random, vocab: int, scale: float, shared: int, own: int,
+                             out_len: int, added: int) -> int:
+    """32 histories behind one ``shared``-token prompt, each opened with its own ``own`` tokens; 6 steps, a step's
+    prompt = the previous prompt + its output (``out_len`` tokens) + ``added`` new tokens; between steps 8 other
+    users' one-shot 1500-token prompts (1 output token). One call per step for all histories."""
+    system = rand_ids(rng, scaled(shared, scale, 8), vocab)
+    n = scaled(32, scale, 2)
+    prompts = [system + rand_ids(rng, scaled(own, scale, 8), vocab) for _ in range(n)]
+
+    def other_users():
+        tally.generate([rand_ids(rng, scaled(1500, scale, 8), vocab) for _ in range(scaled(8, scale, 1))], 1)
+
+    agent_steps(tally, rng, vocab, prompts, 6, scaled(out_len, scale, 2), scaled(added, scale, 2), other_users)
+    return n
+
+
 @timed_program
 def agents_under_pressure(tally: Tally, rng: random.Random, vocab: int, scale: float) -> int:
     """Agents whose histories outgrow the KV pool (issue 26): N agents behind one 1000-token system + tools prompt,
@@ -175,15 +191,17 @@ def agents_under_pressure(tally: Tally, rng: random.Random, vocab: int, scale: f
     prompts (1 output token). One call per step for all agents. Meant to run with a pool far smaller than the
     agents' ~85k tokens (``max_total_tokens`` / ``num_gpu_blocks_override``): an engine that keeps only a prefix
     cache computes most of every history again at every step."""
-    system = rand_ids(rng, scaled(1000, scale, 8), vocab)
-    n, steps, out_len = scaled(32, scale, 2), 6, scaled(32, scale, 2)
-    prompts = [system + rand_ids(rng, scaled(2000, scale, 8), vocab) for _ in range(n)]
+    return histories_under_pressure(tally, rng, vocab, scale, shared=1000, own=2000, out_len=32, added=60)
 
-    def other_users():
-        tally.generate([rand_ids(rng, scaled(1500, scale, 8), vocab) for _ in range(scaled(8, scale, 1))], 1)
 
-    agent_steps(tally, rng, vocab, prompts, steps, out_len, scaled(60, scale, 2), other_users)
-    return n
+@timed_program
+def chat_under_pressure(tally: Tally, rng: random.Random, vocab: int, scale: float) -> int:
+    """Chat sessions whose histories outgrow the KV pool (issue 26): N conversations behind one 300-token system
+    prompt, each opened with its own 1500-token pasted document; 6 turns, a turn's prompt = the previous prompt +
+    its reply + an 80-token user message, 96 reply tokens; between turns 8 other users' one-shot 1500-token prompts
+    (1 output token). One call per turn for all conversations; meant for a pool far smaller than the ~70k tokens of
+    the histories, as ``agents_under_pressure``."""
+    return histories_under_pressure(tally, rng, vocab, scale, shared=300, own=1500, out_len=96, added=80)
 
 
 PROGRAMS: dict[str, Callable] = {
@@ -196,7 +214,8 @@ PROGRAMS: dict[str, Callable] = {
 }
 # Programs that need a small KV pool to mean anything: sections, but in no group (run them by name, with the pool
 # sizes set on both sides).
-PRESSURE_PROGRAMS: dict[str, Callable] = {"agents_under_pressure": agents_under_pressure}
+PRESSURE_PROGRAMS: dict[str, Callable] = {"agents_under_pressure": agents_under_pressure,
+                                           "chat_under_pressure": chat_under_pressure}
 # Programs of the paper not run here, and why.
 NOT_COVERED = {
     "json_decoding": "regex-constrained decoding needs a real tokenizer (vLLM runs with skip_tokenizer_init)",

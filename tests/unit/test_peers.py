@@ -179,19 +179,23 @@ def test_multi_turn_chat_turns_carry_the_history():
     assert len({tuple(p[:200]) for p in calls[0][0]}) == 1  # one system prompt
 
 
-def test_agents_under_pressure_steps_extend_histories_with_other_users_between():
+@pytest.mark.parametrize("name, shared, opening, out_len, added", [
+    ("agents_under_pressure", 1000, 3000, 32, 60),
+    ("chat_under_pressure", 300, 1800, 96, 80),
+])
+def test_programs_under_pressure_extend_histories_with_other_users_between(name, shared, opening, out_len, added):
     client = RecordingClient()
-    result = programs.PRESSURE_PROGRAMS["agents_under_pressure"](client, VOCAB, 1.0)
+    result = programs.PRESSURE_PROGRAMS[name](client, VOCAB, 1.0)
     assert client.resets == 1 and result["well_formed"] is True and result["programs"] == 32
     calls = generate_calls(client)
-    agents, others = calls[0::2], calls[1::2]
-    assert len(agents) == len(others) == 6
-    assert all(len(p) == 32 and n == 32 for p, n in agents) and all(len(p) == 8 and n == 1 for p, n in others)
-    assert len({tuple(p[:1000]) for p in agents[0][0]}) == 1 and all(len(p) == 3000 for p in agents[0][0])
+    steps, others = calls[0::2], calls[1::2]
+    assert len(steps) == len(others) == 6
+    assert all(len(p) == 32 and n == out_len for p, n in steps) and all(len(p) == 8 and n == 1 for p, n in others)
+    assert len({tuple(p[:shared]) for p in steps[0][0]}) == 1 and all(len(p) == opening for p in steps[0][0])
     for k in range(1, 6):
-        for prev, prev_out, cur in zip(agents[k - 1][0], client.outputs[2 * (k - 1)], agents[k][0]):
-            assert cur[:len(prev) + 32] == prev + prev_out and len(cur) == len(prev) + 32 + 60
-    assert "agents_under_pressure" in sections.SECTIONS and "agents_under_pressure" not in sections.expand("all")
+        for prev, prev_out, cur in zip(steps[k - 1][0], client.outputs[2 * (k - 1)], steps[k][0]):
+            assert cur[:len(prev) + out_len] == prev + prev_out and len(cur) == len(prev) + out_len + added
+    assert name in sections.SECTIONS and name not in sections.expand("all")
 
 
 def test_programs_report_bad_outputs():
