@@ -212,3 +212,19 @@ def test_gaps_longer_than_the_time_to_live_still_raise_it():
     pins.end("agent")
     pins.on_arrival("agent")  # an ended session starts afresh: no gap from before its end
     assert len(pins.gaps) == 9 and Tree.locks == 0
+
+
+def test_a_session_whose_calls_only_share_a_prefix_pins_only_that_prefix(make_sched):
+    """An ``Evaluate`` thread: each call = the same demos + a new example. Pinning a whole call would hold KV the next
+    call never reads; after a call reuses only the demos, the session's pins hold just them, until a call extends
+    its predecessor again."""
+    rng = random.Random(4)
+    demos = rand_ids(rng, 40)
+    sched = make_sched(max_total_tokens=512, session_ttl=60)
+    first = run(sched, "e1", demos + rand_ids(rng, 20), session_id="eval")
+    assert sched.session_pins.pins["eval"].tokens == 63  # the whole first call (the last output token has no KV)
+    second = run(sched, "e2", demos + rand_ids(rng, 20), session_id="eval")
+    assert second.cached_tokens == 40 and sched.session_pins.pins["eval"].tokens == 40  # the demos only
+    third = run(sched, "e3", second.all_ids + rand_ids(rng, 5), session_id="eval")  # a call that extends: whole pins
+    assert third.cached_tokens == 63 and sched.session_pins.pins["eval"].tokens == len(third.all_ids) - 1
+    assert first.output_ids and sched.handle_control("end_session", "eval") is True

@@ -12,7 +12,8 @@ of a session's requests finishing and the session's next request arriving (the l
 than the time to live then in force, whose pins had expired: an agent's slow tool calls must raise it), kept within
 [``MIN_TTL_S``, ``ttl_max``], and ``DEFAULT_TTL_S`` before any gap is seen. The tokens under all pins together are
 bounded by ``max_tokens``: a new pin that passes the bound releases the oldest pins; one that alone passes it is
-not taken.
+not taken. A session whose last call reused only part of its pin (calls that share a prefix without extending each
+other) has its next pins cut back to the prefix that call reused.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class SessionPins:
         self.pins: dict[str, SessionPin] = {}  # oldest first (a moved pin goes to the end)
         self.gaps: deque[float] = deque(maxlen=GAP_WINDOW)
         self.last_finished: OrderedDict[str, float] = OrderedDict()  # session -> when its last request finished
+        # session -> how much of its pin its last call reused, when that was not all of it (pins hold only that much)
+        self.shared_depth: OrderedDict[str, int] = OrderedDict()
         self.stats = SessionPinStats()
 
     def __bool__(self) -> bool:
@@ -80,9 +83,20 @@ class SessionPins:
         return self.pins.get(session_id)
 
     def on_admitted(self, session_id: str, cached_tokens: int) -> None:
+        """A request of the session starts with ``cached_tokens`` cached. If it did not reach the end of the session's
+        pin (its calls share a prefix but do not extend each other: an ``Evaluate`` thread's examples behind one
+        set of demos), the session's next pins hold only that much."""
         pin = self.pins.get(session_id)
-        if pin is not None:
-            self.stats.reused_tokens += min(cached_tokens, pin.tokens)
+        if pin is None:
+            return
+        self.stats.reused_tokens += min(cached_tokens, pin.tokens)
+        if cached_tokens >= pin.tokens:
+            self.shared_depth.pop(session_id, None)
+        else:
+            self.shared_depth[session_id] = cached_tokens
+            self.shared_depth.move_to_end(session_id)
+            if len(self.shared_depth) > REMEMBERED_SESSIONS:
+                self.shared_depth.popitem(last=False)
 
     def pin(self, session_id: str, node, tokens: int) -> bool:
         """Moves the session's pin to ``node`` (the end of a ``tokens``-long sequence a request just cached)."""
@@ -91,6 +105,10 @@ class SessionPins:
         self.last_finished.move_to_end(session_id)
         if len(self.last_finished) > REMEMBERED_SESSIONS:
             self.last_finished.popitem(last=False)
+        depth = self.shared_depth.get(session_id)
+        while node is not None and depth is not None and tokens > depth and node is not self.tree.root_node:
+            tokens -= len(node.key)  # up to the prefix the session's calls share
+            node = node.parent
         if node is None or tokens <= 0 or tokens > self.max_tokens:
             if tokens > self.max_tokens:
                 self.stats.num_over_bound += 1
@@ -111,6 +129,7 @@ class SessionPins:
     def end(self, session_id: str) -> bool:
         """The session is over: its pin goes now, and its last finish is forgotten. False if it held no pin."""
         self.last_finished.pop(session_id, None)
+        self.shared_depth.pop(session_id, None)
         if not self._release_if_pinned(session_id):
             return False
         self.stats.num_ended += 1
@@ -146,6 +165,7 @@ class SessionPins:
         for session_id in list(self.pins):
             self._release(session_id)
         self.last_finished.clear()
+        self.shared_depth.clear()
 
     def _release(self, session_id: str) -> None:
         self.tree.dec_lock_ref(self.pins.pop(session_id).node)
