@@ -28,6 +28,7 @@ tokens: history computed again), KV copied back from the host, and the noise req
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import statistics
@@ -56,17 +57,19 @@ def agent(engine, idx: int, args, out: dict) -> None:
     rng = random.Random(1000 + idx)
     history = f"Agent {idx} task: {words(rng, args.task_words)}\n"
     t0 = time.perf_counter()
-    recomputed = 0
+    recomputed, replies = 0, []
     for step in range(args.steps[idx % len(args.steps)]):
         new_tokens = len(engine.tokenizer.encode(history)) - out.setdefault("_last_len", {}).get(idx, 0)
         r = engine.generate(history, {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True},
                             session_id=f"agent-{idx}")
         meta = r["meta_info"]
         recomputed += max(0, meta["prompt_tokens"] - meta["cached_tokens"] - new_tokens)
+        replies.append(r["text"])
         history += r["text"] + f"\nObservation {step}: {words(rng, args.obs_words)}\n"
         out["_last_len"][idx] = meta["prompt_tokens"] + meta["completion_tokens"]
         time.sleep(rng.uniform(*args.tool_s))
-    out.setdefault("agents", []).append(dict(seconds=time.perf_counter() - t0, recomputed_tokens=recomputed))
+    out.setdefault("agents", []).append(dict(idx=idx, seconds=time.perf_counter() - t0, recomputed_tokens=recomputed,
+                                             replies=replies))
 
 
 def noise(engine, idx: int, args, stop: threading.Event, out: dict) -> None:
@@ -116,7 +119,9 @@ def one_run(args, variant: str) -> dict:
     finally:
         engine.shutdown()
     times = sorted(a["seconds"] for a in out["agents"])
-    return dict(variant=variant, elapsed_s=elapsed, programs_per_s=args.agents / elapsed,
+    # Greedy replies, every agent's in order: equal digests = the variant changed no output
+    digest = hashlib.sha256(json.dumps(sorted((a["idx"], a["replies"]) for a in out["agents"])).encode()).hexdigest()
+    return dict(variant=variant, elapsed_s=elapsed, programs_per_s=args.agents / elapsed, replies_sha256=digest[:16],
                 agent_p50_s=statistics.median(times), agent_mean_s=statistics.fmean(times), agent_max_s=times[-1],
                 recomputed_tokens=sum(a["recomputed_tokens"] for a in out["agents"]),
                 noise_requests_per_s=sum(out.get("noise_requests", [])) / elapsed,
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['programs_per_s']:.3f} programs/s, re-prefilled {r['recomputed_tokens']} tokens, "
                   f"from host {r['host_loaded_tokens']}, noise {r['noise_requests_per_s']:.2f} req/s", flush=True)
     summary = variant_medians(runs, "variant", variants, SUMMARY_KEYS, "generic", "agent_p50_s", "programs_per_s")
+    summary["replies_identical"] = len({r["replies_sha256"] for r in runs}) == 1
     print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out, "w") as f:

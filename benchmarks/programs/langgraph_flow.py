@@ -13,7 +13,8 @@ gibberish). ``runs`` graph runs go at once, one thread each, each on its own Lan
 * ``sglang``: ``ChatSGLang(base_url=...)`` on a server with the host KV tier (``--kv-host-size``) and session pins
   on: everything on (the adapter sends the run's ``thread_id`` as its session id without user code);
 * ``sglang_no_tier``: ``ChatSGLang`` on a server without the tier (pins on): the tier's share;
-* ``sglang_radix_only``: ``ChatSGLang`` on a server with the radix cache alone (``--session-ttl 0``, no tier);
+* ``sglang_radix_only``: ``ChatSGLang`` on a server with the radix cache alone (``--session-ttl 0``,
+  ``--program-scheduling off``, no tier: the server ignores the session ids the adapter sends);
 * ``openai``: ``langchain_openai.ChatOpenAI(base_url=<server>/v1)`` on a server with the radix cache alone: the
   route a LangGraph user takes to any OpenAI-compatible engine with prefix caching.
 
@@ -39,7 +40,7 @@ from benchmarks.programs.dspy_agents import add_agent_args, chosen_routes, route
 ROUTES = {  # name: (client, server flags); None: --host-tokens
     "sglang": ("sglang", ["--kv-host-size", None]),
     "sglang_no_tier": ("sglang", []),
-    "sglang_radix_only": ("sglang", ["--session-ttl", "0"]),
+    "sglang_radix_only": ("sglang", ["--session-ttl", "0", "--program-scheduling", "off"]),
     "openai": ("openai", ["--session-ttl", "0"]),
 }
 SYSTEM = ("A research team answers one task together: a supervisor steers, a researcher looks facts up with the "
