@@ -124,19 +124,23 @@ def run_route(flags: list, args, n: int, make_program, label: str = "agent") -> 
                 host_loaded_tokens=after.get("kv_host_loaded_tokens", 0)), times
 
 
-def one_run(route: str, args, dspy, Agent) -> dict:
-    """One route on a fresh server: all agents at once; returns times and the server's token counts."""
+def make_lm(dspy, kind: str, url: str, key: str, model_id: str, max_tokens: int):
+    """The route's LM: ``SGLangLM`` (``kind`` "sglang": with sessions, "sglang_no_session": without) or
+    ``dspy.LM("openai/<model>")`` on the server's /v1; temperature 0, no cache."""
     from sglang_dspy import SGLangLM
 
+    common = dict(api_key=key, max_tokens=max_tokens, temperature=0.0, cache=False)
+    if kind.startswith("sglang"):
+        return SGLangLM(base_url=url, auto_session=kind == "sglang", **common)
+    return dspy.LM(f"openai/{model_id}", api_base=url + "/v1", num_retries=0, **common)
+
+
+def one_run(route: str, args, dspy, Agent) -> dict:
+    """One route on a fresh server: all agents at once; returns times and the server's token counts."""
     kind, flags = ROUTES[route]
 
     def make_program(url: str, key: str, model_id: str):
-        if kind.startswith("sglang"):
-            lm = SGLangLM(base_url=url, api_key=key, max_tokens=args.max_tokens, temperature=0.0, cache=False,
-                          auto_session=kind == "sglang")
-        else:
-            lm = dspy.LM(f"openai/{model_id}", api_base=url + "/v1", api_key=key, max_tokens=args.max_tokens,
-                         temperature=0.0, cache=False, num_retries=0)
+        lm = make_lm(dspy, kind, url, key, model_id, args.max_tokens)
 
         def program(i: int):
             rng = random.Random(1000 + i)

@@ -38,7 +38,8 @@ import statistics
 import threading
 import time
 
-from benchmarks.programs.dspy_agents import ROUTES, WORDS, chosen_routes, route_parser, run_route, run_rounds, words
+from benchmarks.programs.dspy_agents import (ROUTES, WORDS, chosen_routes, make_lm, route_parser, run_route, run_rounds,
+                                             words)
 
 NAMES = ("Ada Boris Cleo Dmitri Elsa Farid Greta Hugo Ines Jonas Kira Lars Mira Nils Olga Pavel Quinn Rosa Sven Tara "
          "Ugo Vera Wim Xena Yuri Zoe").split()
@@ -164,17 +165,6 @@ def build_workload(dspy, QA, args):
                                                          best_demos=len(best.answer.demos))
 
     return run
-
-
-def make_lm(dspy, kind: str, url: str, key: str, model_id: str, max_tokens: int):
-    """The route's LM: ``SGLangLM`` (``kind`` "sglang": with sessions, "sglang_no_session": without) or
-    ``dspy.LM("openai/<model>")`` on the server's /v1; temperature 0, no cache."""
-    from sglang_dspy import SGLangLM
-
-    common = dict(api_key=key, max_tokens=max_tokens, temperature=0.0, cache=False)
-    if kind.startswith("sglang"):
-        return SGLangLM(base_url=url, auto_session=kind == "sglang", **common)
-    return dspy.LM(f"openai/{model_id}", api_base=url + "/v1", num_retries=0, **common)
 
 
 def one_run(route: str, args, dspy, QA) -> dict:
