@@ -13,6 +13,7 @@ gibberish). ``runs`` graph runs go at once, one thread each, each on its own Lan
 * ``sglang``: ``ChatSGLang(base_url=...)`` on a server with the host KV tier (``--kv-host-size``) and session pins
   on: everything on (the adapter sends the run's ``thread_id`` as its session id without user code);
 * ``sglang_no_tier``: ``ChatSGLang`` on a server without the tier (pins on): the tier's share;
+* ``sglang_no_programs``: everything on but program-level scheduling (``--program-scheduling off``): its share;
 * ``sglang_radix_only``: ``ChatSGLang`` on a server with the radix cache alone (``--session-ttl 0``,
   ``--program-scheduling off``, no tier: the server ignores the session ids the adapter sends);
 * ``openai``: ``langchain_openai.ChatOpenAI(base_url=<server>/v1)`` on a server with the radix cache alone: the
@@ -40,6 +41,7 @@ from benchmarks.programs.dspy_agents import add_agent_args, chosen_routes, route
 ROUTES = {  # name: (client, server flags); None: --host-tokens
     "sglang": ("sglang", ["--kv-host-size", None]),
     "sglang_no_tier": ("sglang", []),
+    "sglang_no_programs": ("sglang", ["--kv-host-size", None, "--program-scheduling", "off"]),
     "sglang_radix_only": ("sglang", ["--session-ttl", "0", "--program-scheduling", "off"]),
     "openai": ("openai", ["--session-ttl", "0"]),
 }

@@ -71,7 +71,7 @@ def test_runs_differ_in_task_but_share_the_system_prompt():
 
 
 def test_bad_arguments_error():
-    assert set(langgraph_flow.ROUTES) == {"sglang", "sglang_no_tier", "sglang_radix_only", "openai"}
+    assert set(langgraph_flow.ROUTES) == {"sglang", "sglang_no_tier", "sglang_no_programs", "sglang_radix_only", "openai"}
     for argv in (["--routes", "nope"], ["--routes", ""], ["--runs", "0"], ["--cycles", "0"], ["--rounds", "0"],
                  ["--max-tokens", "0"]):
         with pytest.raises(SystemExit):
