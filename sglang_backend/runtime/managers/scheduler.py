@@ -33,8 +33,8 @@ from ..sampling_params import SamplingParams
 from .fault_injection import FaultInjector
 from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, SchedulerReady, TokenizedGenerateReq
 from .overlap import OverlapDecoder
-from .schedule_batch import Req, ScheduleBatch, finish_abort, finish_length, finish_stop
 from .program_service import ProgramService
+from .schedule_batch import Req, ScheduleBatch, finish_abort, finish_length, finish_stop
 from .schedule_policy import InBatchPrefixIndex, SchedulePolicy
 from .scheduler_output import OutputCollector
 from .validation import ModelLimits
