@@ -32,6 +32,8 @@ from typing import Any
 
 import dspy
 from dspy.clients.base_lm import LM_CLASS_STATE_KEY
+from dspy.dsp.utils.settings import main_thread_config
+from dspy.utils.callback import BaseCallback
 from dspy.lm15 import (
     ContextLengthError,
     InvalidRequestError,
@@ -103,11 +105,70 @@ _FORK: contextvars.ContextVar[_Fork | None] = contextvars.ContextVar("sglang_dsp
 _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("sglang_dspy_session", default=None)
 
 
+# The run of the outermost DSPy module being called (its callback call id), set by _ProgramRuns.
+_RUN: contextvars.ContextVar[str | None] = contextvars.ContextVar("sglang_dspy_run", default=None)
+
+
 def _program_session() -> str | None:
-    """The DSPy program this call runs in, as a session id: the outermost module being called, on this thread
-    (a program's steps run on one thread; ``Evaluate`` runs examples on several). None outside any module."""
+    """The DSPy program run this call belongs to, as a session id: one call of the outermost module (an agent's
+    whole loop, one ``Evaluate`` example), marked by ``_ProgramRuns``. Without that callback (``dspy.configure
+    (callbacks=...)`` replaced it): the outermost module on this thread. None outside any module."""
+    run = _RUN.get()
+    if run is not None:
+        return f"dspy:{run}"
     modules = dspy.settings.caller_modules
     return f"dspy:{id(modules[0]):x}:{threading.get_ident():x}" if modules else None
+
+
+class _ProgramRuns(BaseCallback):
+    """A DSPy callback (installed once, globally, by ``SGLangLM``): each call of an outermost module is one program
+    run whose LM calls share one session, and when the run ends its sessions end on the engines they used, so the
+    KV pinned for a next call that will not come is released at once (not at its time to live), and the server's
+    program scheduling starts the next run afresh."""
+
+    def __init__(self):
+        self.tokens: dict[str, contextvars.Token] = {}  # outermost call id -> its _RUN token
+        self.backends: dict[str, list] = {}  # session -> the backends that sent calls with it
+        self.lock = threading.Lock()
+
+    def on_module_start(self, call_id: str, instance: Any, inputs: dict) -> None:
+        if _RUN.get() is None:
+            self.tokens[call_id] = _RUN.set(call_id)
+
+    def on_module_end(self, call_id: str, outputs: Any, exception: Exception | None = None) -> None:
+        token = self.tokens.pop(call_id, None)
+        if token is None:
+            return
+        _RUN.reset(token)
+        session = f"dspy:{call_id}"
+        with self.lock:
+            backends = self.backends.pop(session, ())
+        for backend in backends:
+            try:
+                backend.end_session(session)
+            except Exception:  # noqa: BLE001 - a program's result never fails for a pin released late
+                pass
+
+    def used(self, session: str | None, backend) -> None:
+        if session is None or not session.startswith("dspy:") or _RUN.get() is None:
+            return
+        with self.lock:
+            backends = self.backends.setdefault(session, [])
+            if backend not in backends:
+                backends.append(backend)
+
+
+_PROGRAM_RUNS = _ProgramRuns()
+
+
+def _install_program_runs() -> None:
+    """Adds ``_PROGRAM_RUNS`` to DSPy's global callbacks (once; a later ``dspy.configure(callbacks=...)`` drops it).
+    Set in the config dict directly: ``dspy.configure`` may be called from one thread only, which need not be the
+    one that makes this LM."""
+    with dspy.settings.lock:
+        callbacks = main_thread_config.get("callbacks") or []
+        if _PROGRAM_RUNS not in callbacks:
+            main_thread_config["callbacks"] = [*callbacks, _PROGRAM_RUNS]
 
 
 # Hint bookkeeping ------------------------------------------------------------------------------------------------
@@ -275,6 +336,9 @@ class _EngineBackend:
     def stats(self) -> dict:
         return self.runtime.get_stats()
 
+    def end_session(self, session_id: str) -> bool:
+        return self.runtime.end_session(session_id)
+
     def flush(self) -> None:
         self.runtime.flush_cache()
         self.hints.clear()
@@ -400,6 +464,9 @@ class _HTTPBackend:
         if branches:
             branches[0].completion_tokens = u.get("completion_tokens", 0)
         return branches
+
+    def end_session(self, session_id: str) -> bool:
+        return bool(self._post("/end_session", {"session_id": session_id}).get("released"))
 
     def stats(self) -> dict:
         r = self.client.get("/get_stats")
@@ -593,9 +660,10 @@ class SGLangLM(dspy.LM):
     output and ChatAdapter sections as decoding constraints, default True), ``max_string_length`` /
     ``max_items`` (bounds on open string/array fields so constrained outputs close within max_tokens),
     ``engine_kwargs`` (ServerArgs for the in-process Engine), ``runtime`` (an existing Engine to share).
-    Sessions: every call inside a DSPy program is sent with a session id (the outermost module being called and
-    the thread it runs on), so the server keeps the program's KV pinned between its calls (a ``ReAct`` loop's
-    trajectory while its tool runs); ``session_id="..."`` fixes one, ``auto_session=False`` sends none.
+    Sessions: every call inside a DSPy program is sent with a session id (one per call of the outermost module:
+    an agent's whole loop, one ``Evaluate`` example), so the server keeps the program's KV pinned between its calls
+    (a ``ReAct`` loop's trajectory while its tool runs) and ends the session when that call returns (a DSPy
+    callback, installed once); ``session_id="..."`` fixes one, ``auto_session=False`` sends none.
     """
 
     def __init__(self, model_path: str | None = None, base_url: str | None = None, *, api_key: str | None = None,
@@ -623,6 +691,8 @@ class SGLangLM(dspy.LM):
         self.api_key = api_key
         self.session_id = session_id
         self.auto_session = auto_session
+        if auto_session:
+            _install_program_runs()
 
     # n > 1: one fork per DSPy call (see the module docstring) ----------------------------------------------------
     def _fork_for(self, kwargs: dict) -> _Fork | None:
@@ -630,7 +700,11 @@ class SGLangLM(dspy.LM):
         return _Fork(n) if isinstance(n, int) and n > 1 else None
 
     def _session_for(self, kwargs: dict) -> str | None:
-        return kwargs.pop("session_id", None) or self.session_id or (_program_session() if self.auto_session else None)
+        session = kwargs.pop("session_id", None) or self.session_id
+        if session is None and self.auto_session:
+            session = _program_session()
+            _PROGRAM_RUNS.used(session, self._engine_spec.backend)  # ended with its run
+        return session
 
     def __call__(self, prompt=None, *, messages=None, **kwargs):
         session = _SESSION.set(self._session_for(kwargs))
