@@ -74,3 +74,16 @@ def test_a_program_run_on_worker_threads_is_one_session_per_example(smollm_engin
     assert stats["session_pins_taken"] - before["session_pins_taken"] == 4
     assert stats["session_pins_ended"] - before["session_pins_ended"] == 4
     assert not any(s.startswith("dspy:") for s in smollm_engine.scheduler.session_pins.pins)
+
+
+def test_the_program_runs_callback_survives_copies_and_pickles_of_dspy_settings():
+    import copy
+    import pickle
+
+    from sglang_dspy import lm as lm_module
+
+    lm_module._install_program_runs()
+    runs = lm_module._PROGRAM_RUNS
+    assert runs in dspy.settings.callbacks
+    assert copy.deepcopy(runs) is runs and pickle.loads(pickle.dumps(runs)) is runs
+    assert copy.deepcopy(dspy.settings.callbacks)[-1] is runs

@@ -149,6 +149,9 @@ class _ProgramRuns(BaseCallback):
             except Exception:  # noqa: BLE001 - a program's result never fails for a pin released late
                 pass
 
+    def __reduce__(self):
+        return _program_runs, ()  # one per process: copies and pickles of DSPy's settings refer to it
+
     def used(self, session: str | None, backend) -> None:
         if session is None or not session.startswith("dspy:") or _RUN.get() is None:
             return
@@ -159,6 +162,10 @@ class _ProgramRuns(BaseCallback):
 
 
 _PROGRAM_RUNS = _ProgramRuns()
+
+
+def _program_runs() -> _ProgramRuns:
+    return _PROGRAM_RUNS
 
 
 def _install_program_runs() -> None:
