@@ -225,6 +225,8 @@ def test_a_session_whose_calls_only_share_a_prefix_pins_only_that_prefix(make_sc
     assert sched.session_pins.pins["eval"].tokens == 63  # the whole first call (the last output token has no KV)
     second = run(sched, "e2", demos + rand_ids(rng, 20), session_id="eval")
     assert second.cached_tokens == 40 and sched.session_pins.pins["eval"].tokens == 40  # the demos only
-    third = run(sched, "e3", second.all_ids + rand_ids(rng, 5), session_id="eval")  # a call that extends: whole pins
+    again = run(sched, "e3", demos + rand_ids(rng, 20), session_id="eval")  # the demos again: the pin stays cut
+    assert again.cached_tokens == 40 and sched.session_pins.pins["eval"].tokens == 40
+    third = run(sched, "e4", again.all_ids + rand_ids(rng, 5), session_id="eval")  # a call that extends: whole pins
     assert third.cached_tokens == 63 and sched.session_pins.pins["eval"].tokens == len(third.all_ids) - 1
     assert first.output_ids and sched.handle_control("end_session", "eval") is True

@@ -90,7 +90,9 @@ class SessionPins:
         if pin is None:
             return
         self.stats.reused_tokens += min(cached_tokens, pin.tokens)
-        if cached_tokens >= pin.tokens:
+        depth = self.shared_depth.get(session_id)
+        extends = cached_tokens > depth if depth is not None else cached_tokens >= pin.tokens
+        if extends:  # it reached the end of its predecessor (past a cut-back pin: beyond the shared prefix)
             self.shared_depth.pop(session_id, None)
         else:
             self.shared_depth[session_id] = cached_tokens
