@@ -13,8 +13,9 @@ gather and scatter stay on the compute stream, in order with the forwards around
 slots into a staging tensor before any later forward can write them and its transfer to the host runs meanwhile;
 a restore's transfer starts at once (it overlaps the forward in flight), and the compute stream waits for it only
 before scattering the rows into the pool; or (an asynchronous load, ``wait=False``) the scatter runs on the copy
-stream as well and the caller keeps the request out of the forwards until the returned event is done. One copy stream keeps a host row's writes and reads in order. The host
-never waits, except to bound the staging memory of backups still in transfer (``MAX_STAGED_BYTES``).
+stream as well and the caller keeps the request out of the forwards until the returned event is done. One copy
+stream keeps a host row's writes and reads in order. The host never waits, except to bound the staging memory of
+backups still in transfer (``MAX_STAGED_BYTES``).
 """
 
 from __future__ import annotations

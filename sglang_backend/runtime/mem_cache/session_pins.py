@@ -29,6 +29,14 @@ GAP_WINDOW = 256
 REMEMBERED_SESSIONS = 4096  # sessions whose last finish is kept after their pin went, to measure their next gap
 
 
+def _remember(table: OrderedDict, session_id: str, value) -> None:
+    """Sets the session's entry as the most recent one; past ``REMEMBERED_SESSIONS`` the oldest is forgotten."""
+    table[session_id] = value
+    table.move_to_end(session_id)
+    if len(table) > REMEMBERED_SESSIONS:
+        table.popitem(last=False)
+
+
 @dataclass
 class SessionPin:
     node: Any  # the tree node where the pinned sequence ends (its path to the root is locked)
@@ -95,18 +103,12 @@ class SessionPins:
         if extends:  # it reached the end of its predecessor (past a cut-back pin: beyond the shared prefix)
             self.shared_depth.pop(session_id, None)
         else:
-            self.shared_depth[session_id] = cached_tokens
-            self.shared_depth.move_to_end(session_id)
-            if len(self.shared_depth) > REMEMBERED_SESSIONS:
-                self.shared_depth.popitem(last=False)
+            _remember(self.shared_depth, session_id, cached_tokens)
 
     def pin(self, session_id: str, node, tokens: int) -> bool:
         """Moves the session's pin to ``node`` (the end of a ``tokens``-long sequence a request just cached)."""
         now = self.clock()
-        self.last_finished[session_id] = now
-        self.last_finished.move_to_end(session_id)
-        if len(self.last_finished) > REMEMBERED_SESSIONS:
-            self.last_finished.popitem(last=False)
+        _remember(self.last_finished, session_id, now)
         depth = self.shared_depth.get(session_id)
         while node is not None and depth is not None and tokens > depth and node is not self.tree.root_node:
             tokens -= len(node.key)  # up to the prefix the session's calls share
