@@ -115,9 +115,13 @@ def _program_session() -> str | None:
     (callbacks=...)`` replaced it): the outermost module on this thread. None outside any module."""
     run = _RUN.get()
     if run is not None:
-        return f"dspy:{run}"
+        return _run_session(run)
     modules = dspy.settings.caller_modules
     return f"dspy:{id(modules[0]):x}:{threading.get_ident():x}" if modules else None
+
+
+def _run_session(run: str) -> str:
+    return f"dspy:{run}"
 
 
 class _ProgramRuns(BaseCallback):
@@ -140,7 +144,7 @@ class _ProgramRuns(BaseCallback):
         if token is None:
             return
         _RUN.reset(token)
-        session = f"dspy:{call_id}"
+        session = _run_session(call_id)
         with self.lock:
             backends = self.backends.pop(session, ())
         for backend in backends:
