@@ -42,6 +42,41 @@ def test_pinned_round_trip_is_bit_identical(dtype, wait):
         assert torch.equal(b[dst.cuda()], want)
 
 
+def test_asynchronous_load_waits_for_its_slot_index_upload():
+    """An asynchronous load's slot indices are uploaded on the compute stream, which may still be busy (a forward in
+    flight); the scatter on the copy stream must wait for that upload. Here the compute stream is kept busy right
+    before the upload, and the index memory handed out holds slot 0 (the reserved padding slot) beforehand: a
+    scatter that ran early (as it once did, waiting only for the work queued before the upload) writes there."""
+    from sglang_backend.runtime.mem_cache.host_pool import HostKVPool
+    from sglang_backend.runtime.mem_cache.memory_pool import MHATokenToKVPool
+
+    dev = MHATokenToKVPool(4096, torch.bfloat16, 8, 128, 4, "cuda")
+    for buf in dev.k_buffer + dev.v_buffer:
+        buf.copy_(torch.randn_like(buf))
+    host = HostKVPool(dev, 2048)
+    src = torch.randperm(4096)[:1500] + 1
+    dst = torch.randperm(4096)[:1500] + 1
+    before = [b[src.cuda()].clone() for b in dev.k_buffer + dev.v_buffer]
+    slots = host.alloc(1500)
+    host.backup(src, slots)
+    torch.cuda.synchronize()
+    for buf in dev.k_buffer + dev.v_buffer:
+        buf.zero_()
+    real_upload = host._on_device
+
+    def busy_then_upload(device_slots):
+        torch.zeros(len(device_slots), dtype=torch.int64, device="cuda")  # freed: the upload's block, likely
+        torch.cuda._sleep(100_000_000)  # the compute stream busy (tens of ms) ahead of the upload
+        return real_upload(device_slots)
+
+    host._on_device = busy_then_upload
+    done = host.restore(slots, dst, wait=False)
+    done.synchronize()
+    torch.cuda.synchronize()
+    for b, want in zip(dev.k_buffer + dev.v_buffer, before):
+        assert torch.equal(b[dst.cuda()], want)
+
+
 @pytest.mark.parametrize("load", ["sync", "async"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_host_tier_engine_matches_torch_native(peaked_model_dir, dtype, load):

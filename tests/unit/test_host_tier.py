@@ -96,6 +96,24 @@ def test_a_loaded_back_node_keeps_its_host_copy_so_evicting_it_again_copies_noth
     assert t.fetch(a) == (0, 12)
 
 
+def test_one_eviction_makes_one_host_copy_and_walks_only_the_device_part():
+    """Evicting several nodes in one call copies them to the host in one transfer (not one per node, each a
+    gather per layer), and finding the next device leaves never walks the host-only part of the tree."""
+    t = Tiered(device_tokens=40, host_tokens=128)
+    seqs = [list(range(s, s + 8)) for s in (100, 200, 300, 400)]
+    for ids in seqs:
+        t.put(ids)
+    copies = []
+    real_backup = t.host.backup
+    t.host.backup = lambda device_slots, host_slots: (copies.append(len(device_slots)), real_backup(device_slots, host_slots))
+    assert t.tree.evict(24) == 24  # the three least recently used sequences
+    assert copies == [24]
+    walked = list(t.tree._device_nodes())
+    assert [n.key for n in walked] == [seqs[3]] and all(len(n.value) for n in walked)
+    for ids in seqs:
+        t.fetch(ids)  # bit-identical, loaded back from the host where evicted
+
+
 def test_shared_prefix_split_between_tiers():
     """Two sequences sharing 8 tokens: the shared part stays on the device (the newest sequence uses it) while the
     older one's own tail sits on the host; its match is 8 on the device + 6 on the host."""

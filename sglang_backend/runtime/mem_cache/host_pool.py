@@ -135,10 +135,6 @@ class HostKVPool:
         layers = self._layers()
         shape = self.buffer.shape[1:]
         main = torch.cuda.current_stream() if self.copy_stream is not None else None
-        queued_before = None
-        if main is not None and not wait:
-            queued_before = torch.cuda.Event()
-            queued_before.record(main)
         for idx, host_part in self._chunks(device_slots, host_slots):
             if main is None:
                 staging = torch.empty((len(host_part), *shape), dtype=self.buffer.dtype)
@@ -153,7 +149,11 @@ class HostKVPool:
                 staging.record_stream(main)  # the scatter below reads it on the compute stream
                 self._scatter(layers, idx, staging)
             else:
-                self.copy_stream.wait_event(queued_before)
+                # After the compute work queued so far and after idx's upload, which is queued on the compute
+                # stream too (behind a forward in flight, maybe): the scatter must not read idx before it lands.
+                queued = torch.cuda.Event()
+                queued.record(main)
+                self.copy_stream.wait_event(queued)
                 idx.record_stream(self.copy_stream)  # made on the compute stream, read on the copy stream
                 with torch.cuda.stream(self.copy_stream):
                     self._scatter(layers, idx, staging)

@@ -251,18 +251,19 @@ class RadixCache(CachedKVPool):
 
     def evict(self, num_tokens: int) -> int:
         """Frees at least ``num_tokens`` device slots if it can (LRU device leaves first). With a host tier the
-        evicted nodes stay in the tree with their KV copied to host memory; without one they leave it."""
+        evicted nodes stay in the tree with their KV copied to host memory (one copy for the whole call); without
+        one they leave it."""
         if self.host is None:
             return super().evict(num_tokens)
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._iter_nodes() if self._device_leaf(n)]
+        heap = [(n.last_access_time, n.id, n) for n in self._device_nodes() if self._device_leaf(n)]
         heapq.heapify(heap)
-        freed, slots = 0, []
+        freed, slots, backups = 0, [], []
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
-            if not self._backup(node):
+            if not self._backup(node, backups):
                 self._drop_subtree(node)  # the host is full of locked copies: this node's KV goes, as without a tier
             slots.append(node.value)
             freed += len(node.value)
@@ -270,24 +271,41 @@ class RadixCache(CachedKVPool):
             node.value = _EMPTY
             if parent is not self.root_node and self._device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        self._copy_backups(backups)  # before the slots are freed: the gather is queued ahead of any reuse
         self._free(slots)
         self.num_evicted_tokens += freed
         return freed
 
-    def _backup(self, node: TreeNode) -> bool:
-        """Gives a device node a host copy (it may have one already). False: no host room."""
+    def _device_nodes(self) -> Iterator[TreeNode]:
+        """The nodes on the device (all but the root). A host-only node has only host-only nodes below it, so
+        the walk never enters the host tier's part of the tree, which may be many times larger."""
+        stack = [c for c in self.root_node.children.values() if len(c.value)]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(c for c in node.children.values() if len(c.value))
+
+    def _backup(self, node: TreeNode, backups: list) -> bool:
+        """Gives a device node host slots for a copy (it may have one already); the copy itself is queued in
+        ``backups`` (device slots, host slots) for ``_copy_backups``. False: no host room."""
         if node.host_value is not None:
             return True
         n = len(node.value)
         short = n - self.host.available_size()
         if short > 0:
+            self._copy_backups(backups)  # queued before host_evict may hand their rows to another node
             self.evict_host(short)
         host_slots = self.host.alloc(n)
         if host_slots is None:
             return False
-        self.host.backup(node.value, host_slots)
+        backups.append((node.value, host_slots))
         node.host_value = host_slots
         return True
+
+    def _copy_backups(self, backups: list) -> None:
+        if backups:
+            self.host.backup(torch.cat([d for d, _ in backups]), torch.cat([h for _, h in backups]))
+            backups.clear()
 
     def _drop_subtree(self, node: TreeNode) -> None:
         """Takes ``node`` (a device leaf being evicted) and its host-only descendants out of the tree, host copies
