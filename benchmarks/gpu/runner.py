@@ -26,7 +26,7 @@ def decode_batch(mr, rows, per, bs: int, ctx: int, vocab: int) -> ForwardBatch:
                         torch.full((bs,), ctx - 1, device="cuda"), torch.stack([p[-1] for p in per]),
                         torch.tensor(rows, device="cuda"), torch.full((bs,), ctx, device="cuda"), [ctx] * bs,
                         logits_indices=torch.arange(bs, device="cuda"),
-                        shared_first_slot=mr.req_to_token_pool.same_first_slot(rows))
+                        shares_prefix=mr.req_to_token_pool.shares_prefix(rows, 1))
 
 
 # runner -------------------------------------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def prefix_decode_step(mr, bs: int, prefix: int, unique: int, shared: bool) -> f
                       torch.full((bs,), ctx - 1, device="cuda"), torch.stack(last).to("cuda"),
                       torch.tensor(rows, device="cuda"), torch.full((bs,), ctx, device="cuda"), [ctx] * bs,
                       logits_indices=torch.arange(bs, device="cuda"),
-                      shared_first_slot=mr.req_to_token_pool.same_first_slot(rows))
+                      shares_prefix=mr.req_to_token_pool.shares_prefix(rows, 1))
     step = statistics.median(cuda_time(lambda: mr.forward(fb), 20, 3))
     mr.token_to_kv_pool_allocator.free(slots)
     for r in rows:

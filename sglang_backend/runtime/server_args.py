@@ -75,6 +75,7 @@ class ServerArgs:
     disable_cuda_graph: bool = field(default=False, metadata={"help": "GPU: no CUDA graphs for decode"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "GPU: do not overlap the host work of a decode step with the next step's GPU work"})
     disable_cascade_attention: bool = field(default=False, metadata={"help": "Triton decode: attend each request's whole KV, not the batch's shared prefix once"})
+    cascade_min_saved_reads: int = field(default=32768, metadata={"help": "Triton decode: cascade attention (the batch's shared prefix read once) only when it saves at least this many token reads per layer, shared length x (batch - 1): below that its extra prefix and merge kernels cost more than the reads they save; 0: whenever the batch shares a first slot"})
     tp_size: int = field(default=1, metadata={"help": "Tensor parallelism: shard the model over this many GPUs (or CPU processes, gloo)"})
     disable_native_cpu_kernels: bool = field(default=False, metadata={"help": "CPU: torch ops instead of the C kernels compiled on first use (layers/native: decode attention read in place from the KV pool, matmuls over GGUF blocks, which are then dequantized at load); ablation"})
     cpu_activation_quant: str = field(default="none", metadata={"help": "CPU, GGUF block weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0) in the native kernels: none (float32 activations; results equal the float32 matmul with the dequantized weights) or q8 (as llama.cpp: each 32-value block of an activation row rounded to 8 bits with one scale, integer dot products; faster decode, but results no longer equal the float32-dequantized reference to 1e-4)", "choices": CPU_ACTIVATION_QUANTS})
@@ -133,6 +134,8 @@ class ServerArgs:
             raise ValueError("max_running_requests must be >= 1")
         if self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
+        if self.cascade_min_saved_reads < 0:
+            raise ValueError("cascade_min_saved_reads must be >= 0 token reads (0: cascade whenever a first slot is shared)")
         if self.kv_host_size < 0:
             raise ValueError("kv_host_size must be >= 0 tokens (0: no host tier)")
         if self.kv_host_size and (self.disable_radix_cache or self.table_cache):

@@ -138,7 +138,8 @@ def engine_checks() -> bool:
     from sglang_backend.runtime.layers.kernel_options import KernelOptions
 
     d = _tiny_gemma3()  # untied embeddings: less repetitive greedy tokens than tied ones in a random model
-    eng = Engine(model_path=d, dtype="float32", device="cpu", log_level="warning", max_running_requests=12)
+    eng = Engine(model_path=d, dtype="float32", device="cpu", log_level="warning", max_running_requests=12,
+                 cascade_min_saved_reads=0)  # cascade over the 20 shared tokens
     mr = eng.scheduler.model_runner
     prefix = [(i * 37) % 290 + 5 for i in range(20)]  # shared by every prompt below: longer than the window
     prompts = [prefix + [7 + i, 9 + 2 * i, 11 + 3 * i][: 1 + i % 3] for i in range(9)]
@@ -185,7 +186,7 @@ def _generate(d: str, prompts: list, **engine_kwargs) -> tuple[list, list, list]
     """(greedy tokens, their logprobs, prompt logprobs) of a batch, on a fresh engine."""
     from sglang_backend import Engine  # deferred: heavy
 
-    eng = Engine(model_path=d, log_level="warning", max_running_requests=12, **engine_kwargs)
+    eng = Engine(model_path=d, log_level="warning", max_running_requests=12, cascade_min_saved_reads=0, **engine_kwargs)
     try:
         sp = dict(max_new_tokens=6, temperature=0, ignore_eos=True)
         eng.generate(input_ids=prompts[0][:20], sampling_params=sp)  # the shared prefix, cached

@@ -14,11 +14,16 @@ from sglang_backend.runtime.managers.overlap import OverlapDecoder
 from tests.conftest import make_engine
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_gqa_dir):
-    eng = make_engine(tiny_gqa_dir, disable_overlap_schedule=True)
+def _engine(tiny_gqa_dir, **overrides):
+    """A module's engine (the tests switch the overlap on themselves), shut down after its last test."""
+    eng = make_engine(tiny_gqa_dir, disable_overlap_schedule=True, **overrides)
     yield eng
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_gqa_dir):
+    yield from _engine(tiny_gqa_dir)
 
 
 def _prompts():
@@ -87,6 +92,41 @@ def test_overlap_steps_really_lag(engine):
     assert any(seen), "no step was finished while the next one was in flight"
 
 
+@pytest.fixture(scope="module")
+def two_slot_engine(tiny_gqa_dir):
+    yield from _engine(tiny_gqa_dir, max_running_requests=2)
+
+
+def test_decode_stays_overlapped_while_requests_wait_for_room(two_slot_engine):
+    """Requests that wait because the running batch is full do not turn decoding synchronous: after a prefill
+    planning that admits none of them, the next decode step is still launched before the one in flight is
+    finished. Outputs equal the synchronous loop's."""
+    engine = two_slot_engine
+    sched = engine.scheduler
+    prompts = _prompts()[:5]
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    engine.flush_cache()
+    sync = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=sp)]
+    engine.flush_cache()
+    decoder = OverlapDecoder(sched)
+    real_step = decoder.step
+    waiting_at_overlapped_steps = []
+
+    def spy():
+        waiting_at_overlapped_steps.append(len(sched.waiting_queue))
+        return real_step()
+
+    decoder.step = spy
+    sched.overlap = decoder
+    try:
+        lagged = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=sp)]
+        engine.check_pool_whole()
+    finally:
+        sched.overlap = None
+    assert lagged == sync
+    assert any(n > 0 for n in waiting_at_overlapped_steps), waiting_at_overlapped_steps
+
+
 def test_overlap_abort_and_failed_launch(engine):
     sched = engine.scheduler
     engine.flush_cache()
@@ -120,10 +160,12 @@ def test_overlap_abort_and_failed_launch(engine):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_decode_batches_know_whether_they_share_a_first_slot(engine, overlap):
-    """Each decode batch tells the attention backend whether all its requests' KV starts at the same slot
-    (only then can cascade attention share a prefix): yes behind a cached common prefix, no for unrelated
-    prompts; in the synchronous and the overlapped loop."""
+@pytest.mark.parametrize("min_saved, worthwhile", [(0, True), (80, True), (82, False)])
+def test_decode_batches_know_whether_a_shared_prefix_pays_for_cascade(engine, overlap, min_saved, worthwhile):
+    """Each decode batch tells the attention backend whether its requests share a KV prefix long enough for
+    cascade attention (the prefix read once, not once per request) to save ``cascade_min_saved_reads`` token
+    reads: three requests behind a cached 40-token prefix save 2 x 40 = 80 reads, so yes at 0 and 80, no at 82;
+    unrelated prompts share nothing. In the synchronous and the overlapped loop."""
     sched = engine.scheduler
     mr = sched.model_runner
     seen = []
@@ -131,13 +173,15 @@ def test_decode_batches_know_whether_they_share_a_first_slot(engine, overlap):
 
     def spy(fb):
         if fb.forward_mode.is_decode():
-            seen.append((fb.batch_size, fb.shared_first_slot))
+            seen.append((fb.batch_size, fb.shares_prefix))
         return real_forward(fb)
 
     sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     engine.flush_cache()
     mr.forward = spy
     sched.overlap = OverlapDecoder(sched) if overlap else None
+    default = sched.server_args.cascade_min_saved_reads
+    sched.server_args.cascade_min_saved_reads = min_saved
     try:
         shared, unrelated = _prompts()[:3], _prompts()[3:]
         engine.generate(input_ids=shared, sampling_params=sp)  # caches the common prefix
@@ -151,7 +195,9 @@ def test_decode_batches_know_whether_they_share_a_first_slot(engine, overlap):
     finally:
         mr.forward = real_forward
         sched.overlap = None
-    assert behind_prefix and all(s for _, s in behind_prefix), behind_prefix
+        sched.server_args.cascade_min_saved_reads = default
+    assert behind_prefix and all(bs == 3 for bs, _ in behind_prefix), behind_prefix
+    assert all(s == worthwhile for _, s in behind_prefix), behind_prefix
     assert any(bs > 1 for bs, _ in apart) and all(not s for bs, s in apart if bs > 1), apart
 
 
@@ -245,9 +291,7 @@ def test_prefill_with_logprobs_is_not_pipelined(engine):
 
 @pytest.fixture(scope="module")
 def chunking_engine(tiny_gqa_dir):
-    eng = make_engine(tiny_gqa_dir, disable_overlap_schedule=True, chunked_prefill_size=16)
-    yield eng
-    eng.shutdown()
+    yield from _engine(tiny_gqa_dir, chunked_prefill_size=16)
 
 
 def test_chunked_prefill_is_pipelined(chunking_engine):

@@ -106,7 +106,7 @@ def encode_step(fb: ForwardBatch, writes: torch.Tensor) -> tuple[torch.Tensor, t
     header[:_META] = _ints([
         FORWARD, _MODES.index(fb.forward_mode), len(fb.input_ids), fb.batch_size,
         -1 if fb.logits_indices is None else len(fb.logits_indices), fb.mm_inputs is not None,
-        len(fb.extend_prefix_lens_cpu), len(fb.extend_seq_lens_cpu), len(writes), len(host), fb.shared_first_slot])
+        len(fb.extend_prefix_lens_cpu), len(fb.extend_seq_lens_cpu), len(writes), len(host), fb.shares_prefix])
     inline = len(host) <= INLINE_INTS
     if inline:
         header[_META : _META + len(host)] = host
@@ -144,7 +144,7 @@ def decode_step(header: torch.Tensor, overflow: torch.Tensor, payload: torch.Ten
     fb = ForwardBatch(_MODES[mode], *fields[:5], seq_lens_cpu=seq_lens_cpu.tolist(),
                       extend_prefix_lens_cpu=prefix_lens.tolist(), extend_seq_lens_cpu=extend_lens.tolist(),
                       logits_indices=fields[5] if logits >= 0 else None, mm_inputs=mm_inputs,
-                      shared_first_slot=bool(shared))
+                      shares_prefix=bool(shared))
     return fb, writes
 
 

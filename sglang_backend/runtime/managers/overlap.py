@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.sampler import SamplingBatchInfo
-from ..model_executor.forward_batch import ForwardBatch, ForwardMode
+from ..model_executor.forward_batch import ForwardBatch, ForwardMode, cascade_worthwhile
 from .schedule_batch import Req
 
 logger = logging.getLogger(__name__)
@@ -79,9 +79,12 @@ class OverlapDecoder:
                 and sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0
                 and len(req.output_ids) >= sp.min_new_tokens)
 
-    def can_run(self) -> bool:
+    def can_run(self, waiting_planned: bool = False) -> bool:
+        """Whether the next decode step may be overlapped. Waiting requests stop it unless ``waiting_planned``: the
+        scheduler has just planned a prefill for them and admitted none (no memory yet), so decoding goes on."""
         s = self.sched
-        return (bool(s.running) and not s.waiting_queue and s.chunked_req is None and not s.grammar_queue
+        return (bool(s.running) and (waiting_planned or not s.waiting_queue) and s.chunked_req is None
+                and not s.grammar_queue
                 and s.fault_injector is None and all(self.eligible(r) for r in s.running)
                 and len(s.running) <= s.available_tokens())
 
@@ -143,7 +146,8 @@ class OverlapDecoder:
         d_positions, d_locs, d_rows, d_seq_lens, d_rows_idx = to_device_async(packed, dev)[:, :n].unbind(0)
         fb = ForwardBatch(ForwardMode.DECODE, input_ids, d_positions, d_locs, d_rows, d_seq_lens, seq_lens.tolist(),
                           logits_indices=d_rows_idx,
-                          shared_first_slot=s.req_to_token_pool.same_first_slot(rows.tolist()))
+                          shares_prefix=cascade_worthwhile(s.req_to_token_pool, rows.tolist(), positions.tolist(),
+                                                           s.server_args.cascade_min_saved_reads))
         t0 = time.perf_counter()
         try:
             logits = s.model_runner.forward(fb)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model_executor.forward_batch import ForwardBatch, ForwardMode
+from ..model_executor.forward_batch import ForwardBatch, ForwardMode, cascade_worthwhile
 from ..sampling_params import SamplingParams
 
 
@@ -204,7 +204,7 @@ class ScheduleBatch:
             offset += e
         return spans
 
-    def to_forward_batch(self, device: str, req_to_token_pool=None) -> ForwardBatch:
+    def to_forward_batch(self, device: str, req_to_token_pool=None, cascade_min_saved_reads: int = 0) -> ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         if self.forward_mode.is_decode():
@@ -213,7 +213,9 @@ class ScheduleBatch:
                 positions.append(r.kv_len)
             seq_lens = [r.kv_len + 1 for r in self.reqs]
             logits_indices = list(range(len(self.reqs)))
-            shared = req_to_token_pool is None or req_to_token_pool.same_first_slot([r.req_pool_idx for r in self.reqs])
+            shared = req_to_token_pool is None or cascade_worthwhile(
+                req_to_token_pool, [r.req_pool_idx for r in self.reqs], [r.kv_len for r in self.reqs],
+                cascade_min_saved_reads)
         else:
             shared = True
             logits_indices = []
@@ -237,6 +239,6 @@ class ScheduleBatch:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             mm_inputs=[r.mm_inputs for r in self.reqs] if any(r.mm_inputs for r in self.reqs)
             and self.forward_mode.is_extend() else None,
-            shared_first_slot=shared,
+            shares_prefix=shared,
             pool_spans=self.pool_spans(),
         )

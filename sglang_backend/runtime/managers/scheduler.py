@@ -343,6 +343,8 @@ class Scheduler:
             batch = self._get_new_batch_prefill()  # nothing else would ever free that memory or finish the loads
         if batch is not None:
             out += self._run_extend(batch)
+        elif self.overlap is not None and self.overlap.can_run(waiting_planned=True):
+            out += self.overlap.step()  # none of the waiting requests fits yet: the decode stays overlapped
         else:
             if self.overlap is not None:
                 out += self.overlap.drain()  # a synchronous decode sees the running batch up to date
@@ -840,7 +842,7 @@ class Scheduler:
     def _forward(self, batch: ScheduleBatch) -> torch.Tensor:
         if self.fault_injector is not None:
             self.fault_injector.before_forward(batch.reqs)
-        fb = batch.to_forward_batch(self.device, self.req_to_token_pool)
+        fb = batch.to_forward_batch(self.device, self.req_to_token_pool, self.server_args.cascade_min_saved_reads)
         t0 = time.perf_counter()
         logits = self.model_runner.forward(fb)
         if fb.pooled_sums is not None:  # embedding requests: this step's share of their pooled states

@@ -45,13 +45,14 @@ class ReqToTokenPool:
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
 
-    def same_first_slot(self, rows: list[int]) -> bool:
-        """Whether these requests' KV all starts at the same slot (only then may they share a prefix). True
-        when the table is on a GPU (unknown without a device sync)."""
+    def shares_prefix(self, rows: list[int], n: int) -> bool:
+        """Whether these requests' first ``n`` KV slots (n >= 1; every row holds that many) are the same ones. One
+        common slot at position n - 1 is enough: a shared slot is a radix tree node's, and so are all the slots
+        before it on its path. True when the table is on a GPU (unknown without a device sync)."""
         if self.req_to_token.device.type != "cpu" or not rows:
             return True
-        first = self.req_to_token[rows, 0]
-        return bool((first == first[0]).all())
+        col = self.req_to_token[rows, n - 1]
+        return bool((col == col[0]).all())
 
 
 class MirroredReqToTokenPool(ReqToTokenPool):

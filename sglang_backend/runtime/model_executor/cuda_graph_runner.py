@@ -10,7 +10,7 @@ captured size and returns the first ``bs`` rows of its logits. Per step that is 
 
 With cascade attention (triton backend, batches of CASCADE_MIN_BS and more) a batch size has two graphs: one
 for batches whose requests all start at the same KV slot (they may share a prefix, read once per batch) and one
-for the rest (no prefix kernel, no separate merge kernel); ``ForwardBatch.shared_first_slot`` picks.
+for the rest (no prefix kernel, no separate merge kernel); ``ForwardBatch.shares_prefix`` picks.
 
 The returned logits live in the graph's output buffer: they are valid until the next replay (the scheduler
 samples from them before the next forward).
@@ -47,7 +47,7 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
-        # Keyed by (batch size, shared_first_slot): with cascade attention, batch sizes from CASCADE_MIN_BS up
+        # Keyed by (batch size, shares_prefix): with cascade attention, batch sizes from CASCADE_MIN_BS up
         # have a graph for batches that may share a prefix and one for batches that share none.
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
@@ -115,7 +115,7 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:pbs].zero_()  # the reserved padding slot
             self.req_pool_indices[bs:pbs].zero_()
             self.seq_lens[bs:pbs].fill_(1)
-        key = (pbs, fb.shared_first_slot) if (pbs, fb.shared_first_slot) in self.graphs else (pbs, False)
+        key = (pbs, fb.shares_prefix) if (pbs, fb.shares_prefix) in self.graphs else (pbs, False)
         # Cascade decode: the graph reads the batch's shared prefix length.
         self.mr.attn_backend.update_shared_prefix(self.mr.req_to_token_pool, self.req_pool_indices[:bs],
                                                   fb.seq_lens_cpu, pbs, key[1])

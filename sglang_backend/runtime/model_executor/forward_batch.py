@@ -35,9 +35,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     # Extend only, multimodal models: per request its MultimodalInputs (or None); None when no request has any.
     mm_inputs: list | None = None
-    # Decode: False when the scheduler knows the requests' KV does not all start at the same slot, so the batch
-    # shares no prefix and cascade attention (which reads a shared prefix once) is skipped; True when unknown.
-    shared_first_slot: bool = True
+    # Decode: False when the scheduler knows the requests share no KV prefix long enough for cascade attention
+    # (which reads a shared prefix once) to pay (``cascade_worthwhile``); True when unknown.
+    shares_prefix: bool = True
     # Extend, embedding requests: per request, the rows [start, end) whose final hidden states it pools (None:
     # none); the model runner leaves each span's fp32 sum in ``pooled_sums`` (None where the span is None).
     pool_spans: list | None = None
@@ -51,3 +51,13 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+def cascade_worthwhile(req_to_token_pool, rows: list[int], cached_lens: list[int], min_saved_reads: int) -> bool:
+    """Whether a decode batch (its requests' table rows and cached KV lengths) shares a prefix long enough that
+    reading it once instead of once per request saves ``min_saved_reads`` token reads per layer: what the
+    cascade's extra kernels (a prefix pass and a merge per layer) cost. 0: any shared first slot will do."""
+    if not rows:
+        return True
+    n = max(1, -(-min_saved_reads // max(len(rows) - 1, 1)))
+    return n <= min(cached_lens) and req_to_token_pool.shares_prefix(rows, n)

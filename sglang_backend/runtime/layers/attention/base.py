@@ -47,14 +47,14 @@ class AttentionBackend:
         raise NotImplementedError
 
     # CUDA graphs (supports_cuda_graph) -------------------------------------------------------------------------
-    def init_forward_metadata_capture(self, bs: int, shared_first_slot: bool = True) -> None:
+    def init_forward_metadata_capture(self, bs: int, shares_prefix: bool = True) -> None:
         """Decode metadata for a CUDA graph of (padded) batch size bs."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def decode_graph_variants(self, bs: int) -> tuple[bool, ...]:
-        """The ``shared_first_slot`` values whose decode graphs differ at batch size bs."""
+        """The ``shares_prefix`` values whose decode graphs differ at batch size bs."""
         return (False,)
 
     def update_shared_prefix(self, req_to_token_pool, req_pool_indices, seq_lens_cpu, padded_bs: int,
-                             shared_first_slot: bool = True) -> None:
+                             shares_prefix: bool = True) -> None:
         """Before a graph replay: refresh what the graph reads about the batch beyond its index tensors."""

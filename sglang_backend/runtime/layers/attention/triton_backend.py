@@ -80,12 +80,12 @@ class TritonAttnBackend(AttentionBackend):
     def num_kv_splits(self, bs: int) -> int:
         return num_kv_splits(bs, self.heads_per_req, self.num_sms, self.configs.target_programs_per_sm)
 
-    def num_prefix_splits(self, bs: int, shared_first_slot: bool = True) -> int:
+    def num_prefix_splits(self, bs: int, shares_prefix: bool = True) -> int:
         """Splits of the shared prefix in cascade decode (0: no cascade at this batch size, or for a batch whose
         requests do not all start at the same KV slot: it shares nothing, and the plain kernel merges its splits
         itself, while cascade mode costs a prefix kernel per layer, and a stage-2 kernel when the per-request part is
         split too)."""
-        if not self.use_cascade or bs < CASCADE_MIN_BS or not shared_first_slot:
+        if not self.use_cascade or bs < CASCADE_MIN_BS or not shares_prefix:
             return 0
         progs = num_prefix_programs_per_split(bs, self.num_heads, self.num_kv_heads, self.configs)
         # At least 2 splits: one pass over a long prefix per program starves the memory pipeline (measured).
@@ -98,19 +98,19 @@ class TritonAttnBackend(AttentionBackend):
         mid_lse = self.mid_lse[:n].view(bs, self.num_heads, splits)
         return mid_o, mid_lse
 
-    def _set_decode_shape(self, bs: int, shared_first_slot: bool) -> None:
+    def _set_decode_shape(self, bs: int, shares_prefix: bool) -> None:
         self.decode_splits = self.num_kv_splits(bs)
-        self.prefix_splits = self.num_prefix_splits(bs, shared_first_slot)
+        self.prefix_splits = self.num_prefix_splits(bs, shares_prefix)
         self.forward_metadata = None
 
     def decode_graph_variants(self, bs: int) -> tuple[bool, ...]:
-        """The ``shared_first_slot`` values whose decode graphs differ at batch size bs (cascade or not)."""
+        """The ``shares_prefix`` values whose decode graphs differ at batch size bs (cascade or not)."""
         return (False, True) if self.num_prefix_splits(bs) else (False,)
 
     def update_shared_prefix(self, req_to_token_pool, req_pool_indices, seq_lens_cpu, padded_bs: int,
-                             shared_first_slot: bool = True) -> None:
+                             shares_prefix: bool = True) -> None:
         """Cascade batches: find on the device how many leading KV slots all requests share (no host sync)."""
-        if self.num_prefix_splits(padded_bs, shared_first_slot):
+        if self.num_prefix_splits(padded_bs, shares_prefix):
             self.num_cascade_steps += 1
             shared_prefix_len(device_table(req_to_token_pool), req_pool_indices, min(seq_lens_cpu), self.positions,
                               self.prefix_len)
@@ -118,9 +118,9 @@ class TritonAttnBackend(AttentionBackend):
     # Metadata ------------------------------------------------------------------------------------------------
     def init_forward_metadata(self, fb) -> None:
         if fb.forward_mode.is_decode():
-            self._set_decode_shape(fb.batch_size, fb.shared_first_slot)
+            self._set_decode_shape(fb.batch_size, fb.shares_prefix)
             self.update_shared_prefix(fb.req_to_token_pool, fb.req_pool_indices, fb.seq_lens_cpu, fb.batch_size,
-                                      fb.shared_first_slot)
+                                      fb.shares_prefix)
             return
         prefix = fb.extend_prefix_lens_cpu
         extend = fb.extend_seq_lens_cpu
@@ -137,10 +137,10 @@ class TritonAttnBackend(AttentionBackend):
         meta = meta.to(self.device, non_blocking=True)
         self.forward_metadata = (meta[0, :n], meta[1, :n], meta[2, :n], max(extend) if extend else 0)
 
-    def init_forward_metadata_capture(self, bs: int, shared_first_slot: bool = True) -> None:
+    def init_forward_metadata_capture(self, bs: int, shares_prefix: bool = True) -> None:
         """Decode metadata for a CUDA graph of (padded) batch size bs; in cascade mode the shared prefix length
         is a device tensor the graph reads, refreshed before each replay (update_shared_prefix)."""
-        self._set_decode_shape(bs, shared_first_slot)
+        self._set_decode_shape(bs, shares_prefix)
         self.prefix_len.zero_()
 
     # Attention -----------------------------------------------------------------------------------------------
