@@ -388,3 +388,44 @@ def test_with_a_host_tier_a_session_pin_gives_way_to_a_waiting_request(make_sche
     else:
         assert admitted == 1, stats  # (the pin goes later, once nothing runs and the request still cannot)
     sched.handle_control("end_session", "agent")
+
+
+def test_a_few_tokens_hit_in_host_memory_do_not_put_a_request_ahead_of_older_ones(make_sched):
+    """Evaluate's shape: every prompt is one shared prefix (the demos) plus its own text. With the tier, evicted texts
+    stay in the tree as host-only children of the prefix's node, one per first token, so a newcomer whose text begins
+    with a token seen before "hits" a token or two of an unrelated text there. That coincidence must not count as a
+    cached prefix: requests that match the same device prefix keep their arrival order (counting it put newer requests
+    ahead of an older one round after round: one Evaluate example waited ~35 s behind 50 later ones), and nothing is
+    loaded back for it. The outputs are those without the tier."""
+    rng = random.Random(11)
+    prefix = rand_ids(rng, 48)
+    seen = rng.sample(range(3, 500), 3)  # the first tokens of earlier examples' texts
+    fresh = next(t for t in range(3, 500) if t not in seen)
+    earlier = [prefix + [first] + rand_ids(rng, 40) for first in seen]
+    oldest = prefix + [fresh] + rand_ids(rng, 40)
+    newer = [prefix + [first] + rand_ids(rng, 40) for first in seen[:2]]
+
+    def evaluate(sched) -> tuple[list[str], list[list[int]]]:
+        for i, ids in enumerate(earlier):  # one at a time: each evicts the text of the one before
+            sched.add_request(new_req(sched, f"earlier{i}", ids, max_new_tokens=2))
+            drain(sched)
+        waiting = [new_req(sched, "oldest", oldest, max_new_tokens=3, ignore_eos=True)]
+        waiting += [new_req(sched, f"newer{i}", ids, max_new_tokens=3, ignore_eos=True) for i, ids in enumerate(newer)]
+        for req in waiting:
+            sched.add_request(req)
+        if sched.host_tier:  # the newer ones' texts begin in host memory: a one-token coincidence, not a prefix
+            matches = [sched.tree_cache.match_prefix(r.origin_input_ids) for r in waiting]
+            assert [(len(m.device_indices), m.host_hit_len) for m in matches] == [(48, 0), (48, 1), (48, 1)]
+        admitted = []
+        while sched.has_work():
+            sched.step()
+            admitted += [r.rid for r in sched.running if r.rid not in admitted]
+        return admitted, [r.output_ids for r in waiting]
+
+    tiered = make_sched(max_total_tokens=112, kv_host_size=1024, max_running_requests=1)
+    order, outputs = evaluate(tiered)
+    stats = tiered.get_stats()
+    assert stats["kv_host_written_tokens"] > 0
+    assert order == ["oldest", "newer0", "newer1"], order
+    assert stats["kv_host_loaded_tokens"] == 0
+    assert evaluate(make_sched(max_total_tokens=112, max_running_requests=1)) == (order, outputs)

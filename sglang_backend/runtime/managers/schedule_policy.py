@@ -20,6 +20,13 @@ from .schedule_batch import Req
 
 # Below this many tokens of shared uncached prefix, holding a request back is not worth a round trip.
 IN_BATCH_DEDUP_MIN_TOKENS = 32
+# Below this many tokens, a match that goes on in host memory (second tier) counts for nothing: the request computes
+# those tokens (fewer than a copy back is worth) and is ordered by its device match alone. Evicted KV stays in the
+# tree as host-only nodes until the host fills, so the node where a shared prefix ends gathers a child for each first
+# token that prompts went on with (an Evaluate run's examples after their common demos): most newcomers then "hit" a
+# word or two of an unrelated example there, and counting that as a cached prefix put them ahead of the older
+# requests that hit none, round after round (one Evaluate example waited ~35 s behind 50 later ones).
+MIN_HOST_HIT_TOKENS = 16
 
 
 class SchedulePolicy:
@@ -35,9 +42,11 @@ class SchedulePolicy:
         """Refresh the request's cached prefix from the tree (cheap; the tree may have changed)."""
         result = self.tree_cache.match_prefix(_ids_through(req, req.max_prefix_len()), extra_key=req.extra_key)
         req.prefix_indices, req.last_node = result.device_indices, result.last_node
-        req.last_host_node = result.last_host_node
-        # A hit in host memory costs a copy, not a prefill: it counts for the order as a device hit does.
-        req.prefix_len_at_match = len(req.prefix_indices) + result.host_hit_len
+        # A hit in host memory costs a copy, not a prefill: it counts for the order as a device hit does, if it is
+        # long enough to be more than a coincidence (MIN_HOST_HIT_TOKENS).
+        host_hit = result.host_hit_len if result.host_hit_len >= MIN_HOST_HIT_TOKENS else 0
+        req.last_host_node = result.last_host_node if host_hit else None
+        req.prefix_len_at_match = len(req.prefix_indices) + host_hit
 
     def matches_when_ordering(self) -> bool:
         """Whether ``order`` matches every waiting request against the tree (the cache-aware policies)."""
