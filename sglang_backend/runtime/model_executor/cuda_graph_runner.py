@@ -9,7 +9,7 @@ captured size and returns the first ``bs`` rows of its logits. Per step that is 
 ``cudaGraphLaunch`` instead of ~300 kernel launches.
 
 With cascade attention (triton backend, batches of CASCADE_MIN_BS and more) a batch size has two graphs: one
-for batches whose requests all start at the same KV slot (they may share a prefix, read once per batch) and one
+for batches whose requests share a KV prefix long enough to pay for cascade mode (read once per batch) and one
 for the rest (no prefix kernel, no separate merge kernel); ``ForwardBatch.shares_prefix`` picks.
 
 The returned logits live in the graph's output buffer: they are valid until the next replay (the scheduler

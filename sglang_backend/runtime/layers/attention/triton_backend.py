@@ -82,9 +82,9 @@ class TritonAttnBackend(AttentionBackend):
 
     def num_prefix_splits(self, bs: int, shares_prefix: bool = True) -> int:
         """Splits of the shared prefix in cascade decode (0: no cascade at this batch size, or for a batch whose
-        requests do not all start at the same KV slot: it shares nothing, and the plain kernel merges its splits
-        itself, while cascade mode costs a prefix kernel per layer, and a stage-2 kernel when the per-request part is
-        split too)."""
+        requests share no prefix long enough to pay for it, ``ForwardBatch.shares_prefix``: the plain kernel merges
+        its splits itself, while cascade mode costs a prefix kernel per layer, and a stage-2 kernel when the
+        per-request part is split too)."""
         if not self.use_cascade or bs < CASCADE_MIN_BS or not shares_prefix:
             return 0
         progs = num_prefix_programs_per_split(bs, self.num_heads, self.num_kv_heads, self.configs)
