@@ -110,15 +110,21 @@ def trace_generate(eng, prompts, steps: int, path: str) -> tuple[list, float]:
         t0 = time.perf_counter()
         eng.generate(input_ids=prompts, sampling_params=sp)
         wall = time.perf_counter() - t0
+    evs = device_events(prof, path)
+    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
+        z.write(f.read())
+    os.remove(path)
+    return evs, wall
+
+
+def device_events(prof, path: str) -> list:
+    """The profiler's CUDA kernels, copies and memsets sorted by start, through its chrome trace written at ``path``."""
     prof.export_chrome_trace(path)
     with open(path) as f:
         evs = [e for e in json.load(f)["traceEvents"]
                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
-        z.write(f.read())
-    os.remove(path)
     evs.sort(key=lambda e: e["ts"])
-    return evs, wall
+    return evs
 
 
 def busy_and_gaps(win: list, t_lo: float) -> tuple[float, list]:

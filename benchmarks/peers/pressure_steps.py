@@ -95,21 +95,16 @@ def profiled(run, client, vocab: int, scale: float) -> dict:
     # Deferred: only GPU runs profile (torch.profiler and the trace helpers pull in the GPU benchmark code).
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.gpu.engine import busy_and_gaps, kernel_kind
+    from benchmarks.gpu.engine import busy_and_gaps, device_events, kernel_kind
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         run(client, vocab, scale, seed=0)
         wall = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            evs = [e for e in json.load(f)["traceEvents"]
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        evs = device_events(prof, os.path.join(tmp, "trace.json"))
     if not evs:
         return {"wall_s": wall, "kernels": 0}
-    evs.sort(key=lambda e: e["ts"])
     busy, gaps = busy_and_gaps(evs, evs[0]["ts"])
     span = max(e["ts"] + e["dur"] for e in evs) - evs[0]["ts"]
     kinds: collections.Counter = collections.Counter()
