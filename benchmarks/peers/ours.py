@@ -19,9 +19,12 @@ import torch
 
 from benchmarks.gpu.common import MODELS, make_model_dir
 from benchmarks.peers.child import child_parser, log, new_result, run_sections, server_arg_overrides, write_json
-from benchmarks.peers.workloads import random_prompts
+from benchmarks.peers.workloads import TextOutput, random_prompts
 
 GREEDY = {"ignore_eos": True, "temperature": 0}
+# What a constrained call cost our engine (reported with the section): decode and prefill forwards, jump-forwards.
+REGEX_STATS = ("num_decode_batches", "num_prefill_batches", "num_mixed_batches", "num_jump_forward",
+               "num_jump_forward_tokens")
 CPU_POOL_TOKENS = 1 << 15  # the smoke run's KV pool (the CPU default would commit 2 GiB)
 CHECK_PROMPTS, CHECK_PROMPT_LEN, CHECK_TOKENS = 2, 64, 16
 # Where greedy tokens of two attention implementations may part: the reference's top-2 logprob gap is below
@@ -34,6 +37,7 @@ class OurClient:
 
     def __init__(self, eng):
         self.eng = eng
+        self.extra: dict = {}  # since the last reset: the engine's forward passes and jumps of constrained calls
 
     def generate(self, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
         if isinstance(max_tokens, list):
@@ -41,6 +45,15 @@ class OurClient:
         else:
             params = {"max_new_tokens": max_tokens, **GREEDY}
         return [o["output_ids"] for o in self.eng.generate(input_ids=prompts, sampling_params=params)]
+
+    def generate_regex(self, prompts: list[list[int]], regex: str, max_tokens: int) -> list[TextOutput]:
+        before = self.eng.get_stats()
+        out = self.eng.generate(input_ids=prompts,
+                                sampling_params={"max_new_tokens": max_tokens, "temperature": 0, "regex": regex})
+        after = self.eng.get_stats()
+        for key in REGEX_STATS:
+            self.extra[key] = self.extra.get(key, 0) + after[key] - before[key]
+        return [TextOutput(o["text"], len(o["output_ids"]), o["meta_info"]["finish_reason"]["type"]) for o in out]
 
     def prompt_logprobs(self, prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
         """As our ``select`` scores choices: from ``logprob_start_len``, so the cached head is not recomputed."""
@@ -50,6 +63,7 @@ class OurClient:
 
     def reset(self) -> None:
         self.eng.flush_cache()
+        self.extra = {}
 
     def close(self) -> None:
         if self.eng is not None:
@@ -142,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--attention-backend", default="triton", help="on the GPU (the CPU runs torch_native)")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: the model dir's dummy one)")
     ap.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="one more ServerArgs field for our engine (repeatable; VALUE as JSON, else a string)")
     args = ap.parse_args(argv)
@@ -151,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         backend = {"attention_backend": args.attention_backend} if args.device == "cuda" else {}
+        if args.tokenizer:
+            backend["tokenizer_path"] = args.tokenizer
         backend.update(server_arg_overrides(args.server_arg))
         result["info"]["server_args"] = dict(server_arg_overrides(args.server_arg))
         client = OurClient(make_engine(args.model, args.device, args.cache == "on", args.mem_fraction, **backend))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 
 from benchmarks.peers.programs import NOT_COVERED, PRESSURE_PROGRAMS, PROGRAMS
@@ -66,6 +67,17 @@ def rows(result: dict) -> list[dict]:
     return out
 
 
+def program_geomean(table: list[dict]) -> dict | None:
+    """The LM-program suite's geometric mean of ratios (``PROGRAMS``; the pressure programs are apart), over the
+    programs both sides ran, with the lowest one; None when none has a ratio."""
+    ratios = {r["workload"]: r["ratio"] for r in table if r["workload"] in PROGRAMS and r["ratio"]}
+    if not ratios:
+        return None
+    lowest = min(ratios, key=ratios.get)
+    return dict(geomean=math.exp(sum(map(math.log, ratios.values())) / len(ratios)), programs=len(ratios),
+                of=len(PROGRAMS), lowest=lowest, lowest_ratio=ratios[lowest])
+
+
 def fmt(v) -> str:
     if v is None:
         return "-"
@@ -92,10 +104,15 @@ def markdown(result: dict) -> str:
              "", "Ratio = ours/vLLM for rates and vLLM/ours for times: **> 1 means ours is better**.", "",
              "| workload | metric | ours | vLLM | ratio (>1: ours better) | well-formed ours/vLLM |",
              "|---|---|---:|---:|---:|---|"]
-    for r in rows(result):
+    table = rows(result)
+    for r in table:
         lines.append(f"| {workload_name(r)} | {r['metric']} | {fmt(r['ours'])} | {fmt(r['vllm'])} | "
                      f"{fmt_ratio(r['ratio'])} | "
                      f"{fmt(r['well_formed_ours'])}/{fmt(r['well_formed_vllm'])} |")
+    suite = program_geomean(table)
+    if suite:
+        lines += ["", f"LM programs: geometric mean of the ratios {suite['geomean']:.2f}x over {suite['programs']} of "
+                      f"{suite['of']} programs; lowest {suite['lowest']} {suite['lowest_ratio']:.2f}x"]
     check = section_of(result, "ours", "off", "check")
     if check:
         detail = (f"skipped ({check['skipped']})" if "skipped" in check else

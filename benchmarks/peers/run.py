@@ -30,6 +30,7 @@ from benchmarks.peers.sections import CACHE_OFF_SECTIONS, expand
 from benchmarks.peers.vllm_side import ENV_DEFAULTS
 
 OURS_ONLY = ("check",)  # sections of our side only (run last in its cache-off phase)
+TEXT_SECTIONS = ("json_decoding",)  # sections whose outputs are text: vLLM then starts with a tokenizer
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # What vLLM's log says about the engine it built (first match of each kept).
 LOG_PATTERNS = {
@@ -100,11 +101,15 @@ def vllm_model_dir(model: str) -> str:
 def child_command(args, phase: Phase, out: str) -> list[str]:
     common = ["--out", out, "--sections", ",".join(phase.sections), "--cache", phase.cache]
     common += ["--smoke"] if args.smoke else []
+    decodes_text = any(s in TEXT_SECTIONS for s in phase.sections)
     if phase.side == "ours":
+        common += ["--tokenizer", args.tokenizer] if args.tokenizer and decodes_text else []
         return [sys.executable, "-m", "benchmarks.peers.ours", "--model", args.model, "--device", args.device,
                 "--mem-fraction", str(args.ours_mem_fraction), "--attention-backend", args.ours_attention_backend,
                 *[f"--server-arg={a}" for a in args.ours_arg], *common]
     spec = MODELS[args.model]
+    if decodes_text:  # the same tokenizer as ours: --tokenizer, else the model dir's dummy one
+        common += ["--tokenizer", args.tokenizer or make_model_dir(args.model)]
     return [sys.executable, "-m", "benchmarks.peers.vllm_side", "--model-dir", vllm_model_dir(args.model),
             "--dtype", spec["dtype"], "--vocab", str(spec["config"]["vocab_size"]),
             "--mem-fraction", str(args.vllm_mem_fraction), *[f"--llm-arg={a}" for a in args.vllm_arg], *common]
@@ -239,6 +244,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="our engine's attention backend on the GPU (fa3: FlashAttention 3 from --vllm-site)")
     ap.add_argument("--ours-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="one more ServerArgs field for our engine (repeatable), e.g. disable_cuda_graph=true")
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer directory for both sides in the phases that decode text (json_decoding); "
+                         "default: the model dir's dummy byte-level BPE")
     ap.add_argument("--vllm-mem-fraction", type=float, default=0.9, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="one more vllm.LLM keyword (repeatable), e.g. quantization=fp8")
@@ -249,6 +257,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tokenizer:
+        args.tokenizer = os.path.abspath(args.tokenizer)  # the children run from the repo root
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, end_running_child)
     names = [s.strip() for s in args.sections.split(",") if s.strip()]

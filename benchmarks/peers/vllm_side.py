@@ -1,6 +1,7 @@
 """vLLM's side of the peer benchmark, run as a child process: the same sections through ``vllm.LLM`` (offline
 API, vLLM's defaults: torch.compile + CUDA graphs), as the kit's reference run used it: dummy weights, no
-tokenizer, ``TokensPrompt`` inputs, greedy ``SamplingParams`` with ignore_eos and no detokenization. Outputs
+tokenizer (``--tokenizer``: one, for the sections that decode text), ``TokensPrompt`` inputs, greedy
+``SamplingParams`` with ignore_eos and no detokenization (JSON decoding: structured outputs, ended by EOS). Outputs
 are checked to be well formed only (lengths, id range), never compared to ours (the dummy weights differ).
 
 Named so that it does not shadow the ``vllm`` package. Imports nothing of our engine.
@@ -16,6 +17,7 @@ import time
 import traceback
 
 from benchmarks.peers.child import child_parser, log, new_result, run_sections, server_arg_overrides, write_json
+from benchmarks.peers.workloads import TextOutput
 
 # vLLM's environment on the offline GPU machine (setdefault: a caller's value wins).
 ENV_DEFAULTS = {
@@ -45,9 +47,11 @@ class VllmClient:
         # Deferred optional import: vLLM exists only where the kit is installed (the GPU machine).
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import StructuredOutputsParams
 
         self.llm, self.cache_on = llm, cache_on
-        self._params, self._prompt = SamplingParams, TokensPrompt
+        self._params, self._prompt, self._structured = SamplingParams, TokensPrompt, StructuredOutputsParams
+        self.structured_backends: set[str] = set()
         self.failed_resets = 0
 
     def sampling(self, max_tokens: int, **extra):
@@ -62,6 +66,15 @@ class VllmClient:
         else:
             params = self.sampling(max_tokens)
         return [list(o.outputs[0].token_ids) for o in self._run(prompts, params)]
+
+    def generate_regex(self, prompts: list[list[int]], regex: str, max_tokens: int) -> list[TextOutput]:
+        """vLLM's structured outputs (its default backend: xgrammar), detokenized as a user's call is."""
+        params = self._params(max_tokens=max_tokens, temperature=0,
+                              structured_outputs=self._structured(regex=regex))
+        outs = self._run(prompts, params)
+        self.structured_backends.add(str(params.structured_outputs._backend))  # what vLLM picked
+        return [TextOutput(o.outputs[0].text, len(o.outputs[0].token_ids), str(o.outputs[0].finish_reason))
+                for o in outs]
 
     def prompt_logprobs(self, prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
         """``prompt_logprobs=0`` over the whole prompt (vLLM has no start position, and it computes prompts that
@@ -101,6 +114,8 @@ def start_llm(args, result: dict):
                           torch_cuda=torch.version.cuda, python=sys.version.split()[0])
     llm_kwargs = dict(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
                       enable_prefix_caching=args.cache == "on", gpu_memory_utilization=args.mem_fraction, seed=0)
+    if args.tokenizer:
+        llm_kwargs.update(tokenizer=args.tokenizer, skip_tokenizer_init=False)
     llm_kwargs.update(server_arg_overrides(args.llm_arg))
     result["info"]["llm_kwargs"] = llm_kwargs
     t0 = time.perf_counter()
@@ -118,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", required=True, help="a directory holding the model's config.json")
     ap.add_argument("--dtype", required=True)
     ap.add_argument("--vocab", type=int, required=True)
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer directory (default: none, token ids only)")
     ap.add_argument("--llm-arg", action="append", default=[], metavar="KEY=VALUE", help="one more LLM keyword")
     args = ap.parse_args(argv)
     for key, value in ENV_DEFAULTS.items():
@@ -136,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, result)
     failed = run_sections("vllm", client, args.vocab, args, result)
     result["info"]["failed_prefix_cache_resets"] = client.failed_resets
+    result["info"]["structured_output_backends"] = sorted(client.structured_backends)
     write_json(args.out, result)
     return 1 if failed else 0
 

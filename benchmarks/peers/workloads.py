@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Protocol
+import re
+from typing import NamedTuple, Protocol
 
 ID_CEILING = 32000  # ids stay below this whatever the vocabulary (as in the reference run)
+
+
+class TextOutput(NamedTuple):
+    """One constrained output: its text, how many tokens it took, why it ended ("stop" when the grammar did)."""
+
+    text: str
+    tokens: int
+    finish: str
 
 
 class Client(Protocol):
@@ -18,6 +27,10 @@ class Client(Protocol):
 
     def generate(self, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
         """Greedy, ignore_eos: the output ids of each prompt, in order (one batched call)."""
+
+    def generate_regex(self, prompts: list[list[int]], regex: str, max_tokens: int) -> list[TextOutput]:
+        """Greedy, each output constrained by ``regex`` and ended by it (EOS once the regex is complete), at most
+        ``max_tokens`` tokens (one batched call)."""
 
     def prompt_logprobs(self, prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
         """The logprob of each token of prompt i from position starts[i] (>= 1) on, given the tokens before it.
@@ -108,6 +121,13 @@ def outputs_ok(outputs: list[list[int]], count: int, max_tokens: int | list[int]
         return False
     return all(len(o) == w and all(isinstance(t, int) and 0 <= t < vocab for t in o)
                for o, w in zip(outputs, wanted))
+
+
+def regex_outputs_ok(outputs: list[TextOutput], count: int, regex: str) -> bool:
+    """``count`` outputs, each a full match of ``regex`` that the grammar ended (not the length limit)."""
+    pattern = re.compile(regex)
+    return len(outputs) == count and all(o.finish == "stop" and o.tokens > 0 and pattern.fullmatch(o.text)
+                                         for o in outputs)
 
 
 def logprobs_ok(values: list[list[float]], prompts: list[list[int]], starts: list[int]) -> bool:

@@ -38,6 +38,11 @@ class RecordingClient:
         self.outputs.append([[rng.randrange(self.vocab) for _ in range(n - self.short)] for n in wanted])
         return self.outputs[-1]
 
+    def generate_regex(self, prompts, regex, max_tokens):
+        self.calls.append(("generate_regex", [list(p) for p in prompts], max_tokens))
+        text = '{"name": "Paris", "country": "France", "landmark": "the Louvre", "capital": true}'
+        return [workloads.TextOutput(text[:-1] if self.short else text, 21, "stop") for _ in prompts]
+
     def prompt_logprobs(self, prompts, starts):
         self.calls.append(("prompt_logprobs", [list(p) for p in prompts], list(starts)))
         return [[-1.5] * (len(p) - s) for p, s in zip(prompts, starts)]
@@ -198,6 +203,25 @@ def test_programs_under_pressure_extend_histories_with_other_users_between(name,
     assert name in sections.SECTIONS and name not in sections.expand("all")
 
 
+def test_json_decoding_is_one_constrained_call_behind_one_header():
+    client, result = run_program("json_decoding")
+    (kind, prompts, max_tokens), = client.calls
+    assert kind == "generate_regex" and max_tokens == programs.JSON_MAX_TOKENS and len(prompts) == 64
+    assert all(p[:300] == prompts[0][:300] and len(p) == 700 for p in prompts)
+    assert len({tuple(p[300:]) for p in prompts}) == 64  # each its own document
+    assert result["output_tokens"] == 64 * 21 and result["well_formed"] is True
+
+
+def test_constrained_outputs_must_match_and_be_ended_by_the_grammar():
+    regex, ok = programs.JSON_REGEX, '{"name": "A", "country": "B", "landmark": "C", "capital": false}'
+    out = workloads.TextOutput
+    assert workloads.regex_outputs_ok([out(ok, 9, "stop")] * 2, 2, regex)
+    assert not workloads.regex_outputs_ok([out(ok, 9, "stop")], 2, regex)  # one missing
+    assert not workloads.regex_outputs_ok([out(ok, 9, "length")], 1, regex)  # cut by max_tokens
+    assert not workloads.regex_outputs_ok([out(ok[:-1], 9, "stop")], 1, regex)  # not a full match
+    assert programs.PROGRAMS["json_decoding"](RecordingClient(short=True), VOCAB, 1 / 32)["well_formed"] is False
+
+
 def test_programs_report_bad_outputs():
     result = programs.PROGRAMS["mmlu"](RecordingClient(short=True), VOCAB, 1 / 32)
     assert result["well_formed"] is False
@@ -230,6 +254,17 @@ def test_ratio_above_one_means_ours_is_better_for_rates_and_times():
     assert "| offline | output tok/s | 1,000.0 | 500.0 | 2.00x |" in md
 
 
+def test_program_suite_geomean_covers_the_programs_both_sides_ran():
+    ours = {"mmlu": {"programs_per_s": 4.0}, "react": {"programs_per_s": 1.0}, "offline": {"output_tok_per_s": 9.0},
+            "tree_of_thought": {"programs_per_s": 2.0}}
+    peer = {"mmlu": {"programs_per_s": 1.0}, "react": {"programs_per_s": 1.0}, "offline": {"output_tok_per_s": 1.0}}
+    suite = report.program_geomean(report.rows(fake_result(ours, peer)))
+    assert suite == dict(geomean=pytest.approx(2.0), programs=2, of=len(programs.PROGRAMS), lowest="react",
+                         lowest_ratio=1.0)
+    assert "geometric mean of the ratios 2.00x over 2 of" in report.markdown(fake_result(ours, peer))
+    assert report.program_geomean(report.rows(fake_result(ours, None))) is None
+
+
 def test_rows_without_a_peer_have_no_ratio():
     rows = report.rows(fake_result({"mmlu": {"programs_per_s": 3.0, "well_formed": True}}, None))
     assert rows == [dict(workload="mmlu", cache="on", metric="programs/s", ours=3.0, vllm=None, ratio=None,
@@ -242,6 +277,19 @@ def test_phases_interleave_and_the_check_runs_last_on_our_side():
     assert order == [("ours", "on", ["offline", "shared_prefix"]), ("vllm", "on", ["offline", "shared_prefix"]),
                      ("ours", "off", ["shared_prefix", "check"]), ("vllm", "off", ["shared_prefix"])]
     assert [(p.side, p.cache) for p in run.plan(["offline"], "none")] == [("ours", "on")]
+
+
+def test_only_text_phases_start_vllm_with_a_tokenizer():
+    args = run.parse_args(["--model", "tiny", "--out", "x"])
+    vllm_ids = run.child_command(args, run.Phase("vllm", "on", ["mmlu"]), "o.json")
+    vllm_text = run.child_command(args, run.Phase("vllm", "on", ["mmlu", "json_decoding"]), "o.json")
+    ours_text = run.child_command(args, run.Phase("ours", "on", ["json_decoding"]), "o.json")
+    assert "--tokenizer" not in vllm_ids and "--tokenizer" not in ours_text  # ours: the model dir's own
+    assert vllm_text[vllm_text.index("--tokenizer") + 1] == run.make_model_dir("tiny")
+    args.tokenizer = "/tok"
+    for side in ("ours", "vllm"):
+        cmd = run.child_command(args, run.Phase(side, "on", ["json_decoding"]), "o.json")
+        assert cmd[cmd.index("--tokenizer") + 1] == "/tok"
 
 
 def test_vllm_config_keeps_the_model_shape():
