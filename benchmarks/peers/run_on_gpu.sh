@@ -19,6 +19,11 @@ if [ ! -f $S/vllm/__init__.py ]; then
   (cd $K && sha256sum -c --quiet MANIFEST.sha256)
   $P -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $S $K/wheels/*.whl $K/vllm-0.25.0-*.whl
 fi
+# .vlcx/ (optional): wheels of vLLM dependencies the kit lacks, into vLLM's site too. vLLM imports
+# lm-format-enforcer and outlines_core whenever it validates a structured-output request (json_decoding).
+if [ -d .vlcx ] && [ ! -d $S/lmformatenforcer ]; then
+  $P -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $S .vlcx/*.whl
+fi
 if [ -d .whl ] && [ ! -d $O ]; then
   $P -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $O .whl/*.whl
 fi

@@ -63,6 +63,7 @@ class ServerArgs:
     grammar_max_states: int = field(default=250_000, metadata={"help": "Most llguidance lexer states one grammar may build (1-2 kB each)"})
     grammar_lexer_fuel: int = field(default=1_000_000, metadata={"help": "llguidance work units for building one grammar's lexer (deterministic; ~50k per ms); past it the request gets 400"})
     grammar_step_fuel: int = field(default=200_000, metadata={"help": "llguidance work units for one token mask (deterministic; ~14k per ms)"})
+    grammar_mask_threads: int = field(default=0, metadata={"help": "Threads computing llguidance's next-token masks (in parallel across a batch, while the forward runs); 0: auto (1 on the CPU, where they share the cores with the forward; up to 8 on a GPU)"})
     session_ttl: float | None = field(default=None, metadata={"help": "Seconds a finished request's KV stays pinned for the next request of its session_id (None: adaptive, twice the 90th percentile of the gaps seen between a session's calls, 1 s to session_ttl_max; 10 s before any gap is seen; 0: no pins)"})
     session_ttl_max: float = field(default=60.0, metadata={"help": "Longest adaptive session pin time to live, seconds"})
     session_pin_max_fraction: float = field(default=0.5, metadata={"help": "Most of the KV pool that session pins may hold together (the oldest pins go first)"})
@@ -173,6 +174,8 @@ class ServerArgs:
             raise ValueError("session_pin_max_fraction must be within [0, 1]")
         if self.grammar_backend not in ("auto", "llguidance", "fsm"):
             raise ValueError("grammar_backend must be auto, llguidance or fsm")
+        if self.grammar_mask_threads < 0:
+            raise ValueError("grammar_mask_threads must be >= 0 (0: auto)")
         for name in ("grammar_max_regex_chars", "grammar_max_states", "grammar_lexer_fuel", "grammar_step_fuel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

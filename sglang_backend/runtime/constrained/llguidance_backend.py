@@ -18,7 +18,7 @@ The scheduler drives a matcher exactly like ``GrammarMatcher``: ``fill_mask`` be
 after, ``is_finished`` to end, ``forced_string`` + ``advance_text`` for jump-forward (llguidance's
 ``compute_ff_bytes`` is the forced text; re-tokenization stays ``grammar.retokenize_jump_forward``'s).
 Masks are computed off the critical path: each transition starts the next mask on one background thread
-(``_MaskThread``; llguidance drops the GIL while it walks the token trie), overlapping the model's forward as
+(``_MaskThreads``; llguidance drops the GIL while it walks the token trie), overlapping the model's forward as
 upstream SGLang does, and ``fill_mask`` only adds the 0/-inf row, cached by the mask's bytes (masks repeat:
 every step inside a string has the same one). ``benchmarks/bench_grammar.py`` reports both sides: the row
 add on the critical path and the mask computation moved off it. llguidance is optional: without it regex and
@@ -112,7 +112,7 @@ def regex_to_lark_grammar(regex: str) -> str:
 class LLGuidanceCompiler:
     """Builds llguidance's tokenizer once per scheduler (~1 s) and compiles grammars against it."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, mask_threads: int = 1):
         if not llguidance_available():
             raise ValueError("ebnf grammars need the llguidance package (pip install llguidance==1.5.0)")
         import llguidance.hf  # optional dependency (the ebnf extra)
@@ -121,6 +121,7 @@ class LLGuidanceCompiler:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.primary_eos = int(eos) if eos is not None else min(self.eos_token_ids)
         self.vocab_size = int(vocab_size)
+        self.mask_threads = max(1, int(mask_threads))  # threads computing its matchers' next masks (_MaskThreads)
         try:
             self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
                                                              eos_token=self.primary_eos)
@@ -290,14 +291,17 @@ class _StepMask:
             row[sparse[1]] = _NEG_INF
 
 
-class _MaskThread:
-    """One daemon thread computing matchers' next masks in submission order. A matcher's ``_busy`` lock is held
-    from ``submit`` until its mask (or the error computing it) is in ``_next``: waiting is acquiring it (a plain
-    lock and a C queue: a few microseconds on the submitting side, where an executor's futures cost ~20)."""
+class _MaskThreads:
+    """Daemon threads computing matchers' next masks from one queue, in submission order; several of them compute
+    a batch's masks in parallel (llguidance drops the GIL; each matcher is touched by one thread at a time). A
+    matcher's ``_busy`` lock is held from ``submit`` until its mask (or the error computing it) is in ``_next``:
+    waiting is acquiring it (a plain lock and a C queue: a few microseconds on the submitting side, where an
+    executor's futures cost ~20)."""
 
-    def __init__(self):
+    def __init__(self, threads: int = 1):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="llguidance-mask", daemon=True).start()
+        for i in range(threads):
+            threading.Thread(target=self._run, name=f"llguidance-mask-{i}", daemon=True).start()
 
     def submit(self, matcher: "LLGuidanceMatcher") -> None:
         matcher._busy.acquire()
@@ -314,12 +318,13 @@ class _MaskThread:
                 matcher._busy.release()
 
 
-@functools.lru_cache(maxsize=1)
-def _mask_thread() -> _MaskThread:
-    return _MaskThread()
+@functools.lru_cache(maxsize=4)
+def _mask_threads(threads: int) -> _MaskThreads:
+    """The process's mask threads, one set per thread count (one per compiler setting; normally one)."""
+    return _MaskThreads(threads)
 
 
-os.register_at_fork(after_in_child=_mask_thread.cache_clear)  # a forked child starts its own thread when it needs one
+os.register_at_fork(after_in_child=_mask_threads.cache_clear)  # a forked child starts its own threads when needed
 
 
 class LLGuidanceMatcher:
@@ -359,7 +364,7 @@ class LLGuidanceMatcher:
             if self.terminated or not m.is_error():
                 self._next = self.grammar.compiler.eos_step
         elif self.grammar.prefetch:
-            _mask_thread().submit(self)
+            _mask_threads(self.grammar.compiler.mask_threads).submit(self)
 
     def _sync(self) -> None:
         """Wait for the mask being computed (its error, if any, is kept for ``fill_mask``)."""
@@ -393,6 +398,11 @@ class LLGuidanceMatcher:
         if isinstance(error, grammar_budget.GrammarTooComplex):
             raise error
         return None
+
+    def packed_mask(self) -> np.ndarray:
+        """This step's mask as packed bits (uint8, little-endian bit order; EOS ids added where the grammar may
+        end): what ``packed_masks.apply_packed_masks`` applies to a batch of rows on an accelerator."""
+        return self.grammar.compiler._packed(self._step_mask().key)
 
     def allowed_mask(self, device=None) -> torch.Tensor:
         """Boolean [vocab_size]: True where the token is allowed."""

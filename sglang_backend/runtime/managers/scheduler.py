@@ -19,6 +19,7 @@ import zmq
 
 from ...utils import die_with_parent
 from ..constrained import GrammarCache, GrammarTooComplex, cache_options, retokenize_jump_forward
+from ..constrained.packed_masks import apply_packed_masks
 from ..layers.logits_processor import token_logprobs, top_logprobs
 from ..layers.sampler import Sampler, SamplingBatchInfo
 from ..mem_cache.chunk_cache import ChunkCache
@@ -949,10 +950,18 @@ class Scheduler:
             return reqs, logits, logits
         sample_logits = logits.clone()
         failed = set()
+        # On an accelerator, masks that come as packed bits (llguidance's) are applied to all their rows at once.
+        batched = not sample_logits.is_cpu
+        packed_rows, packed, vocab_size = [], [], 0
         for i, req in enumerate(reqs):
             if req.grammar is not None:
                 try:
-                    req.grammar.fill_mask(sample_logits[i])
+                    if batched and hasattr(req.grammar, "packed_mask"):
+                        packed.append(req.grammar.packed_mask())
+                        packed_rows.append(i)
+                        vocab_size = req.grammar.grammar.vocab_size
+                    else:
+                        req.grammar.fill_mask(sample_logits[i])
                 except GrammarTooComplex as e:  # the client's grammar past its budget mid-decode: a 400
                     self._end_over_budget(req, e)
                     failed.add(i)
@@ -960,6 +969,7 @@ class Scheduler:
                     logger.exception("grammar mask failed for request %s", req.rid)
                     self.fail_request(req, f"the grammar step failed for this request ({type(e).__name__}: {e})")
                     failed.add(i)
+        apply_packed_masks(sample_logits, packed_rows, packed, vocab_size)
         if not failed:
             return reqs, logits, sample_logits
         keep = [i for i in range(len(reqs)) if i not in failed]
