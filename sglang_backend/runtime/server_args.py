@@ -55,6 +55,7 @@ class ServerArgs:
     disable_radix_cache: bool = field(default=False, metadata={"help": "No prefix reuse (ablation)"})
     table_cache: bool = field(default=False, metadata={"help": "Ablation (no tree): an exact-match table cache that reuses a cached sequence only whole, never part of one"})
     disable_jump_forward: bool = field(default=False, metadata={"help": "Decode grammar-forced text token by token (ablation)"})
+    jump_forward_max_batch: int | None = field(default=None, metadata={"help": "Jump forward only while at most this many requests are running; None: auto (no limit on the CPU; 1 on a GPU, where the jump's extend pass runs without a CUDA graph and costs more than the decode steps it saves to a batch)"})
     # Grammar budget (constrained/budget.py): counted in sizes, states and steps, so no request is refused because the
     # machine is busy; the wall-clock limit is an opt-in safety net, off by default.
     grammar_backend: str = field(default="auto", metadata={"help": "Engine for regex / JSON schema grammars: auto (llguidance when installed), llguidance, or fsm (ours: regex -> DFA -> token index)", "choices": ("auto", "llguidance", "fsm")})
@@ -174,6 +175,8 @@ class ServerArgs:
             raise ValueError("session_pin_max_fraction must be within [0, 1]")
         if self.grammar_backend not in ("auto", "llguidance", "fsm"):
             raise ValueError("grammar_backend must be auto, llguidance or fsm")
+        if self.jump_forward_max_batch is not None and self.jump_forward_max_batch < 1:
+            raise ValueError("jump_forward_max_batch must be >= 1 (or unset: auto)")
         if self.grammar_mask_threads < 0:
             raise ValueError("grammar_mask_threads must be >= 0 (0: auto)")
         for name in ("grammar_max_regex_chars", "grammar_max_states", "grammar_lexer_fuel", "grammar_step_fuel"):

@@ -46,7 +46,9 @@ def test_asynchronous_load_waits_for_its_slot_index_upload():
     """An asynchronous load's slot indices are uploaded on the compute stream, which may still be busy (a forward in
     flight); the scatter on the copy stream must wait for that upload. Here the compute stream is kept busy right
     before the upload, and the index memory handed out holds slot 0 (the reserved padding slot) beforehand: a
-    scatter that ran early (as it once did, waiting only for the work queued before the upload) writes there."""
+    scatter that ran early (as it once did, waiting only for the work queued before the upload) writes there.
+    Caveat (H200, 2026-11-28): the tree before the fix passed this test too, so the early scatter did not land
+    on that block there; this checks the ordering only where the allocator hands the freed block to the upload."""
     from sglang_backend.runtime.mem_cache.host_pool import HostKVPool
     from sglang_backend.runtime.mem_cache.memory_pool import MHATokenToKVPool
 

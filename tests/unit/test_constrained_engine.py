@@ -142,3 +142,32 @@ def test_a_streamed_retokenized_tail_resends_its_logprob_entries():
     step()
     assert state.output_ids == [1, 7, 8, 9]
     assert [t for _, t in state.meta["output_token_logprobs"]] == [1, 7, 8, 9]
+
+
+# Jump-forward's batch limit (ServerArgs.jump_forward_max_batch) -----------------------------------------------------
+def jumps_of_three_requests(model_dir: str, limit: int | None) -> int:
+    """Jump-forwards while three greedy requests decode under FORCING_REGEX (every output must match)."""
+    engine = make_engine(model_dir, jump_forward_max_batch=limit)
+    try:
+        outs = engine.generate(["a", "b", "c"], {"max_new_tokens": 64, "temperature": 0, "regex": FORCING_REGEX})
+        for out in outs:
+            assert out["meta_info"]["finish_reason"]["type"] == "stop" and re.fullmatch(FORCING_REGEX, out["text"])
+        engine.check_pool_whole()
+        return engine.get_stats()["num_jump_forward"]
+    finally:
+        engine.shutdown()
+
+
+def test_jump_forward_only_while_the_batch_is_within_its_limit(tiny_gqa_dir):
+    """No limit (the CPU's auto) and a limit of 3 jump as often; a limit of 1 jumps only once a request runs alone."""
+    unlimited = jumps_of_three_requests(tiny_gqa_dir, None)
+    assert unlimited >= 3 * 3  # each request: after the name, the house and the wand at least
+    assert jumps_of_three_requests(tiny_gqa_dir, 3) == unlimited
+    assert jumps_of_three_requests(tiny_gqa_dir, 1) < unlimited // 2
+
+
+def test_jump_forward_limit_must_be_positive():
+    from sglang_backend.runtime.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="jump_forward_max_batch"):
+        ServerArgs(model_path="x", jump_forward_max_batch=0)

@@ -347,14 +347,19 @@ def cache_options(server_args) -> dict:
     sa = server_args
     return dict(timeout_s=sa.grammar_compile_timeout, max_regex_chars=sa.grammar_max_regex_chars,
                 backend=sa.grammar_backend, max_states=sa.grammar_max_states, lexer_fuel=sa.grammar_lexer_fuel,
-                step_fuel=sa.grammar_step_fuel, mask_threads=sa.grammar_mask_threads or default_mask_threads(sa.device))
+                step_fuel=sa.grammar_step_fuel, mask_threads=sa.grammar_mask_threads or default_mask_threads(sa.device),
+                cpu_rows=on_cpu(sa.device))
 
 
 def default_mask_threads(device: str) -> int:
     """llguidance mask threads: 1 on the CPU (the forward wants every core); on a GPU half the cores, at most 8
     (a batch of 64 masks of ~0.1-0.2 ms each then fits well inside one decode step)."""
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    return 1 if on_cpu else max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    return 1 if on_cpu(device) else max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
+def on_cpu(device: str) -> bool:
+    """Whether a scheduler of ``ServerArgs.device`` decodes on the CPU."""
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 class GrammarCache:
@@ -371,7 +376,7 @@ class GrammarCache:
                  max_regex_chars: int = grammar_budget.DEFAULT_MAX_REGEX_CHARS, backend: str = "auto",
                  max_states: int = grammar_budget.DEFAULT_MAX_STATES,
                  lexer_fuel: int = grammar_budget.DEFAULT_LEXER_FUEL,
-                 step_fuel: int = grammar_budget.DEFAULT_STEP_FUEL, mask_threads: int = 1):
+                 step_fuel: int = grammar_budget.DEFAULT_STEP_FUEL, mask_threads: int = 1, cpu_rows: bool = True):
         if backend not in ("auto", "llguidance", "fsm"):
             raise ValueError(f"unknown grammar backend {backend!r}; expected 'auto', 'llguidance' or 'fsm'")
         if backend == "llguidance" and not llguidance_available():
@@ -397,6 +402,7 @@ class GrammarCache:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         self._pending: dict[tuple[str, str], Future] = {}
         self.mask_threads = mask_threads  # llguidance matchers' mask threads (``default_mask_threads``)
+        self.cpu_rows = cpu_rows  # whether llguidance's masks come with CPU rows (a CPU scheduler's fill_mask)
         self._llguidance = None  # llguidance_backend's compiler, built on first use (~1 s: its tokenizer)
         self._llguidance_failed: str | None = None  # why "auto" could not load it (then: our engine)
 
@@ -409,7 +415,7 @@ class GrammarCache:
             if self._llguidance is None and self._llguidance_failed is None:
                 try:
                     self._llguidance = LLGuidanceCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                          mask_threads=self.mask_threads)
+                                                          mask_threads=self.mask_threads, cpu_rows=self.cpu_rows)
                 except Exception as e:  # noqa: BLE001 - no package, or a tokenizer llguidance cannot load
                     self._llguidance_failed = str(e) or type(e).__name__
         if self._llguidance is None and (required or self.backend == "llguidance"):

@@ -112,7 +112,7 @@ def regex_to_lark_grammar(regex: str) -> str:
 class LLGuidanceCompiler:
     """Builds llguidance's tokenizer once per scheduler (~1 s) and compiles grammars against it."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, mask_threads: int = 1):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, mask_threads: int = 1, cpu_rows: bool = True):
         if not llguidance_available():
             raise ValueError("ebnf grammars need the llguidance package (pip install llguidance==1.5.0)")
         import llguidance.hf  # optional dependency (the ebnf extra)
@@ -122,6 +122,9 @@ class LLGuidanceCompiler:
         self.primary_eos = int(eos) if eos is not None else min(self.eos_token_ids)
         self.vocab_size = int(vocab_size)
         self.mask_threads = max(1, int(mask_threads))  # threads computing its matchers' next masks (_MaskThreads)
+        # Whether the mask threads also build each mask's CPU row and sparse ids (a CPU scheduler's fill_mask uses
+        # them); a GPU scheduler applies packed bits (packed_masks) and skips that work, which holds the GIL.
+        self.cpu_rows = cpu_rows
         try:
             self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
                                                              eos_token=self.primary_eos)
@@ -196,6 +199,8 @@ class LLGuidanceCompiler:
         return None
 
     def step_mask(self, key: bytes | None) -> "_StepMask":
+        if not self.cpu_rows:
+            return _StepMask(key, None)
         return _StepMask(key, self.additive_mask(key, "cpu", torch.float32), self.sparse_mask(key))
 
     @functools.cached_property
@@ -269,11 +274,11 @@ class _StepMask:
 
     __slots__ = ("key", "bias", "sparse", "_bias_np")
 
-    def __init__(self, key: bytes | None, bias: torch.Tensor, sparse: tuple[bool, np.ndarray] | None = None):
+    def __init__(self, key: bytes | None, bias: torch.Tensor | None, sparse: tuple[bool, np.ndarray] | None = None):
         self.key = key
-        self.bias = bias
+        self.bias = bias  # None: not built (``LLGuidanceCompiler.cpu_rows``); fill_mask then adds a cached row
         self.sparse = sparse
-        self._bias_np = bias.numpy()
+        self._bias_np = None if bias is None else bias.numpy()
 
     def apply(self, row: np.ndarray) -> None:
         """Masks a CPU row as wide as the vocabulary in place through numpy (no torch dispatch: the mask is on the
@@ -421,7 +426,7 @@ class LLGuidanceMatcher:
                 row = logits_row.numpy()
             except (TypeError, RuntimeError):  # a dtype numpy lacks (bf16), or a row that requires grad: below
                 row = None
-            if row is not None and row.shape == self._row_shape:
+            if row is not None and row.shape == self._row_shape and step.bias is not None:
                 step.apply(row)
                 return
         step = self._step_mask()

@@ -1021,7 +1021,7 @@ class Scheduler:
             if new_running:
                 self._cache_unfinished(req)  # share the prompt's KV with requests arriving meanwhile
                 self.running.append(req)
-            if req.grammar is not None and not self.server_args.disable_jump_forward:
+            if req.grammar is not None and self._may_jump_forward():
                 try:
                     self._jump_forward(req)
                 except Exception as e:  # noqa: BLE001 - contained like the grammar step above
@@ -1036,6 +1036,20 @@ class Scheduler:
         return (f"{what} is left to sample after logit_bias, penalties and min_new_tokens (which bans "
                 f"stop_token_ids and EOS until min_new_tokens tokens are generated) are applied, or the "
                 f"sampling logits became NaN")
+
+    def _may_jump_forward(self) -> bool:
+        """Jump-forward trades the forced tokens' decode steps for one extend pass. On a GPU a decode step costs
+        about the same for 1 or 64 requests, so in a batch the steps go on for the others anyway, and the extend
+        pass (launched without a CUDA graph) costs more than it saves: JSON decoding on an H200 took 0.40 s vs 0.30 s
+        at 8 requests with it, a tie at 1. Hence ``jump_forward_max_batch`` (auto: 1 on a GPU, no limit on the
+        CPU, where every decoded token costs its share of the step)."""
+        sa = self.server_args
+        if sa.disable_jump_forward:
+            return False
+        limit = sa.jump_forward_max_batch
+        if limit is None:
+            limit = 0 if self.device == "cpu" else 1
+        return limit == 0 or len(self.running) <= limit
 
     def _jump_forward(self, req: Req) -> None:
         """Appends the grammar's forced continuation in one step (compressed FSM): the text is re-tokenized
