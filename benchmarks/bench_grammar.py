@@ -19,13 +19,15 @@ langchain-tests' standard structured-output and tool-calling tests send (``LANGC
   its next mask on a background thread as soon as it advances, overlapping the forward pass as upstream SGLang
   does. The server's forward (tens of ms for SmolLM2-135M on these CPUs, a few ms for small models on a GPU)
   outlasts the mask (p99 well under 1 ms), so the bench waits for the mask thread before the timer and
-  ``mask_us`` is what stays on the scheduler's critical path: the 0/-inf row added to a freshly written logits
-  row (the scheduler clones the logits just before it masks them). The work moved off that path is reported
-  too: ``mask_compute_us`` (llguidance's mask + its row, per step, on the first pass, on the mask thread) and
-  ``mask_us_no_overlap`` (``fill_mask`` computing the mask itself, warm). ``mask_us_previous``: the first pass
-  again (grammars compiled afresh) with llguidance's ``fill_mask`` as it was before its fast path
-  (``_PreviousFillMask``), a before/after in one run. ``advance_us``: ``matcher.advance(token)`` per step
-  (llguidance's includes the stop / forced-bytes queries and starting the next mask).
+  ``mask_us`` is what stays on the scheduler's critical path: -inf written into a freshly written logits row
+  where the mask forbids (the scheduler clones the logits just before it masks them), on both engines one C
+  call on the CPU row (``constrained/mask_row.py``; ``mask_kernel`` says which build ran, None: numpy / torch).
+  The work moved off that path is reported too: ``mask_compute_us`` (llguidance's mask, per step, on the first
+  pass, on the mask thread) and ``mask_us_no_overlap`` (``fill_mask`` computing the mask itself, warm).
+  ``mask_us_previous``: the first pass again (grammars compiled afresh) with llguidance's ``fill_mask`` as it
+  was before the C kernel (``_PreviousFillMask``: numpy, the row and the ids built on the mask thread), a
+  before/after in one run. ``advance_us``: ``matcher.advance(token)`` per step (llguidance's includes the
+  stop / forced-bytes queries and starting the next mask).
 
 Targets (2 CPU cores): compile p50 <= 50 ms, p99 <= 500 ms; mask mean <= 20 us.
 """
@@ -43,6 +45,7 @@ import torch
 from benchmarks.common import default_output, env_info, write_json
 from sglang_backend.runtime.constrained import GrammarCache
 from sglang_backend.runtime.constrained.bench import BENCH_SCHEMA
+from sglang_backend.runtime.constrained.mask_row import kernel as mask_row_kernel
 from sglang_backend.runtime.model_loader.embedded import default_model_path
 
 ENGINES = ("fsm", "llguidance")
@@ -164,34 +167,41 @@ class _ComputeTimer:
 
 
 class _PreviousFillMask:
-    """llguidance's ``fill_mask`` as it was before its fast path (for ``mask_us_previous``, the same walks in the
-    same run): it waits on the mask thread's lock, asks the row's device and dtype, and computes a stopped
-    matcher's mask itself."""
+    """llguidance's ``fill_mask`` as it was before the C kernel (commit e9ed690; for ``mask_us_previous``, the same
+    walks in the same run): the CPU row masked through numpy (``logits_row.numpy()``, then a fill and the allowed
+    logits put back where few tokens are allowed, -inf written at the forbidden ids where few are forbidden, else
+    the 0/-inf row added), the row and the ids built on the mask thread with every mask. Grammars compiled inside
+    the block get no kernel, so their steps carry that row and those ids."""
 
     def __init__(self):
-        from sglang_backend.runtime.constrained.llguidance_backend import LLGuidanceMatcher  # llguidance only
+        from sglang_backend.runtime.constrained import llguidance_backend  # llguidance only
 
-        self.cls, self.saved = LLGuidanceMatcher, LLGuidanceMatcher.fill_mask
+        self.module, self.cls = llguidance_backend, llguidance_backend.LLGuidanceMatcher
+        self.saved = (llguidance_backend.mask_row_kernel, self.cls.fill_mask)
 
     def __enter__(self):
-        current = self.saved
+        step_cls, current = self.module._StepMask, self.saved[1]
 
         def previous(matcher, logits_row):
-            if matcher._next is matcher.grammar.compiler.eos_step:
-                matcher._next = matcher._compute_step_mask()  # stopped: no mask was started for it
-            step = matcher._step_mask()
-            bias = step.bias
-            if logits_row.device.type != "cpu" or logits_row.dtype != torch.float32:
-                bias = matcher.grammar.compiler.additive_mask(step.key, str(logits_row.device), logits_row.dtype)
-            if bias.shape[0] != logits_row.shape[-1]:
-                return current(matcher, logits_row)
-            logits_row.add_(bias)
+            step = matcher._next
+            if step.__class__ is not step_cls:
+                step = matcher._step_mask()
+            if logits_row.is_cpu:
+                try:
+                    row = logits_row.numpy()
+                except (TypeError, RuntimeError):
+                    row = None
+                if row is not None and row.shape == matcher._row_shape:
+                    step.apply(row)
+                    return
+            current(matcher, logits_row)  # other rows: the torch path, unchanged
 
+        self.module.mask_row_kernel = lambda: None
         self.cls.fill_mask = previous
         return self
 
     def __exit__(self, *exc):
-        self.cls.fill_mask = self.saved
+        self.module.mask_row_kernel, self.cls.fill_mask = self.saved
 
 
 def walk_times(compiled: dict, walks: dict, vocab_size: int, prefetch: bool = True) -> tuple[list[float], list[float]]:
@@ -254,6 +264,12 @@ def xgrammar_column(tokenizer, items, walks: dict[str, list[list[int]]]) -> dict
             "errors": errors, "per_grammar_compile_ms": {k: v * 1e3 for k, v in seconds.items()}}
 
 
+def _kernel_kind() -> str | None:
+    """Which build of the mask kernel runs here: "extension", "ctypes", or None (numpy / torch)."""
+    k = mask_row_kernel()
+    return None if k is None else "ctypes" if hasattr(k, "argtypes") else "extension"
+
+
 def run(walks_per_grammar: int = 3, steps: int = 48, seed: int = 0, xgrammar: bool = True) -> dict:
     from transformers import AutoTokenizer
 
@@ -263,7 +279,7 @@ def run(walks_per_grammar: int = 3, steps: int = 48, seed: int = 0, xgrammar: bo
     result: dict = {"env": env_info(), "tokenizer": "SmolLM2-135M-Instruct", "vocab_size": len(tokenizer),
                     "n_grammars": len(items), "n_schemas": sum(k == "json_schema" for _, k, _ in items),
                     "walks_per_grammar": walks_per_grammar, "steps_per_walk": steps, "targets": TARGETS,
-                    "engines": {}}
+                    "mask_kernel": _kernel_kind(), "engines": {}}
     compiled = {}
     for backend in ENGINES:
         seconds, compiled[backend], setup = compile_times(tokenizer, items, backend)
@@ -276,8 +292,8 @@ def run(walks_per_grammar: int = 3, steps: int = 48, seed: int = 0, xgrammar: bo
     for backend in ENGINES:
         result["engines"][backend].update(engine_times(backend, compiled[backend], walks, items, len(tokenizer),
                                                        result["engines"][backend].pop("seconds")))
-    _, baseline, _ = compile_times(tokenizer, items, "llguidance")  # cold again, for the first pass
     with _PreviousFillMask():
+        _, baseline, _ = compile_times(tokenizer, items, "llguidance")  # cold again, for the first pass
         result["engines"]["llguidance"]["mask_us_previous"] = _stats(
             walk_times(baseline, walks, len(tokenizer))[0], 1e6)
     if xgrammar:

@@ -12,6 +12,7 @@ Modules (design notes live in their docstrings):
                      masks, forced bytes for jump-forward), same matcher interface; regexes it cannot parse
                      and installs without it stay on our engine above
 * ``budget``         the compile budget: sizes, states and llguidance's fuel, never wall-clock seconds
+* ``mask_row``       the mask on a CPU logits row in one C call (``mask_row.c``), for both engines' ``fill_mask``
 """
 
 from .budget import GrammarTooComplex

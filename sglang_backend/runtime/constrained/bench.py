@@ -112,6 +112,7 @@ def run(model_path: str | None = None, threads: int = 1, device: str = "cpu") ->
 
         def miss():
             g._masks.clear()
+            g._bits.clear()  # the C kernel's cache (CPU float32 rows)
             wide.fill_mask(logits)
 
         r["fill_mask_us_cache_miss"] = _us(miss, 200, device)

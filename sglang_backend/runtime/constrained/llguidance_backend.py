@@ -18,11 +18,13 @@ The scheduler drives a matcher exactly like ``GrammarMatcher``: ``fill_mask`` be
 after, ``is_finished`` to end, ``forced_string`` + ``advance_text`` for jump-forward (llguidance's
 ``compute_ff_bytes`` is the forced text; re-tokenization stays ``grammar.retokenize_jump_forward``'s).
 Masks are computed off the critical path: each transition starts the next mask on one background thread
-(``_MaskThreads``; llguidance drops the GIL while it walks the token trie), overlapping the model's forward as
-upstream SGLang does, and ``fill_mask`` only adds the 0/-inf row, cached by the mask's bytes (masks repeat:
-every step inside a string has the same one). ``benchmarks/bench_grammar.py`` reports both sides: the row
-add on the critical path and the mask computation moved off it. llguidance is optional: without it regex and
-JSON schemas stay on our engine and an ``ebnf`` request is a clear ``ValueError`` (a 400 on the server).
+(``_MaskThreads``, several where set; llguidance drops the GIL while it walks the token trie), overlapping the model's forward as
+upstream SGLang does, and ``fill_mask`` only writes -inf into the logits row where the mask forbids: on a CPU
+float32 row one C call reads llguidance's packed bits (``mask_row``), elsewhere a 0/-inf row is added, cached by
+the mask's bytes (masks repeat: every step inside a string has the same one). ``benchmarks/bench_grammar.py``
+reports both sides: the masking on the critical path and the mask computation moved off it. llguidance is
+optional: without it regex and JSON schemas stay on our engine and an ``ebnf`` request is a clear ``ValueError``
+(a 400 on the server).
 """
 
 from __future__ import annotations
@@ -37,15 +39,17 @@ import numpy as np
 import torch
 
 from . import budget as grammar_budget
+from .mask_row import kernel as mask_row_kernel
 from .regex_fsm import _preprocess
 
 __all__ = ["LLGuidanceCompiler", "LLGuidanceGrammar", "LLGuidanceMatcher", "UnsupportedByLLGuidance",
            "llguidance_available"]
 
 MAX_CACHED_BIASES = 64  # 0/-inf rows shared by all grammars of one compiler (~200 kB each at 49k tokens)
-# Steps that allow at most this many tokens (or forbid at most SPARSE_MAX_DISALLOWED) are masked by touching only
-# those ids (LLGuidanceMatcher.fill_mask): the dense 0/-inf row, written by the mask thread on another core, costs
-# ~25 us to add on a 2-core host; a fill plus a few hundred scattered writes costs a fraction.
+# Without the C kernel (mask_row), steps that allow at most this many tokens (or forbid at most
+# SPARSE_MAX_DISALLOWED) are masked by touching only those ids (_StepMask.apply): the dense 0/-inf row, written by
+# the mask thread on another core, costs ~25 us to add on a 2-core host; a fill plus a few hundred scattered
+# writes costs a fraction.
 SPARSE_MAX_ALLOWED = 1024
 SPARSE_MAX_DISALLOWED = 8192
 
@@ -136,6 +140,7 @@ class LLGuidanceCompiler:
         eos_only = np.zeros(-(-self.vocab_size // 32) * 32, dtype=bool)
         eos_only[[e for e in self.eos_token_ids if 0 <= e < self.vocab_size]] = True
         self._eos_words = np.packbits(eos_only, bitorder="little")
+        self.mask_row = mask_row_kernel()  # None: no C kernel here, CPU rows are masked through numpy
 
     def compile(self, spec: str) -> "LLGuidanceGrammar":
         """An ``ebnf`` (GBNF or Lark) grammar."""
@@ -199,9 +204,12 @@ class LLGuidanceCompiler:
         return None
 
     def step_mask(self, key: bytes | None) -> "_StepMask":
-        if not self.cpu_rows:
-            return _StepMask(key, None)
-        return _StepMask(key, self.additive_mask(key, "cpu", torch.float32), self.sparse_mask(key))
+        bits = self._packed(key).tobytes() if key is None else key
+        if len(bits) * 8 < self.vocab_size:  # the kernel reads a bit per token
+            bits += bytes(-(-self.vocab_size // 8) - len(bits))
+        if self.mask_row is not None or not self.cpu_rows:  # the kernel (or a GPU's packed path) needs only bits
+            return _StepMask(key, bits)
+        return _StepMask(key, bits, self.additive_mask(key, "cpu", torch.float32), self.sparse_mask(key))
 
     @functools.cached_property
     def eos_step(self) -> "_StepMask":
@@ -268,15 +276,18 @@ class LLGuidanceGrammar:
 
 
 class _StepMask:
-    """One step's mask, computed on the mask thread: llguidance's packed words as bytes (every EOS id added where
-    the grammar may end; None: EOS only), their 0/-inf row on the CPU in float32, and where few tokens are allowed
-    or forbidden, those ids (``LLGuidanceCompiler.sparse_mask``; all shared, read-only)."""
+    """One step's mask, computed on the mask thread: llguidance's packed words as bytes (``key``: every EOS id
+    added where the grammar may end; None: EOS only), the bits the C kernel reads (``key``'s, or the EOS ids' where
+    ``key`` is None), and without the kernel their 0/-inf row on the CPU in float32 and, where few tokens are
+    allowed or forbidden, those ids (``LLGuidanceCompiler.sparse_mask``; all shared, read-only)."""
 
-    __slots__ = ("key", "bias", "sparse", "_bias_np")
+    __slots__ = ("key", "bits", "bias", "sparse", "_bias_np")
 
-    def __init__(self, key: bytes | None, bias: torch.Tensor | None, sparse: tuple[bool, np.ndarray] | None = None):
+    def __init__(self, key: bytes | None, bits: bytes, bias: torch.Tensor | None = None,
+                 sparse: tuple[bool, np.ndarray] | None = None):
         self.key = key
-        self.bias = bias  # None: not built (``LLGuidanceCompiler.cpu_rows``); fill_mask then adds a cached row
+        self.bits = bits
+        self.bias = bias  # None: not built (the kernel, or ``LLGuidanceCompiler.cpu_rows``): see fill_mask
         self.sparse = sparse
         self._bias_np = None if bias is None else bias.numpy()
 
@@ -345,7 +356,7 @@ class LLGuidanceMatcher:
     mask first. ``grammar.prefetch = False`` computes the mask inside ``fill_mask`` instead."""
 
     __slots__ = ("grammar", "matcher", "terminated", "num_tokens", "_busy", "_next", "_stopped", "_accepting", "_ff",
-                 "_row_shape")
+                 "_row_shape", "_mask_row")
 
     def __init__(self, grammar: LLGuidanceGrammar, matcher):
         self.grammar = grammar
@@ -355,6 +366,7 @@ class LLGuidanceMatcher:
         self._busy = threading.Lock()  # held while the mask thread computes this matcher's next mask
         self._next: _StepMask | BaseException | None = None  # that mask (None: compute it when asked)
         self._row_shape = (grammar.vocab_size,)  # a logits row fill_mask masks through numpy
+        self._mask_row = grammar.compiler.mask_row  # the C kernel, or None
         self._state_changed()
 
     # -- masks -------------------------------------------------------------------------------------
@@ -416,12 +428,17 @@ class LLGuidanceMatcher:
 
     def fill_mask(self, logits_row: torch.Tensor) -> None:
         """Set the logits of disallowed tokens to -inf, in place (extra columns past the vocab too)."""
-        # The scheduler's CPU row: through numpy, with as few questions as possible (each costs ~1 us on the cold
+        # The scheduler's CPU row: one C call, with as few questions as possible (each costs ~1 us on the cold
         # cache a forward pass leaves). _next is a _StepMask only once complete, so one there needs no wait on _busy.
         step = self._next
         if step.__class__ is not _StepMask:  # not computed yet (None), or the error computing it (raised here)
             step = self._step_mask()
-        if logits_row.is_cpu:
+        mask_row = self._mask_row
+        if mask_row is not None and logits_row.dtype is torch.float32 and logits_row.is_cpu \
+                and logits_row.stride() == (1,):  # one contiguous row
+            mask_row(logits_row.data_ptr(), logits_row.shape[0], step.bits, self._row_shape[0])
+            return
+        if logits_row.is_cpu and step.bias is not None:  # no kernel: through numpy
             try:
                 row = logits_row.numpy()
             except (TypeError, RuntimeError):  # a dtype numpy lacks (bf16), or a row that requires grad: below
@@ -501,6 +518,7 @@ class LLGuidanceMatcher:
         m = LLGuidanceMatcher.__new__(LLGuidanceMatcher)
         m.grammar, m.matcher, m._busy = self.grammar, self.matcher.deep_copy(), threading.Lock()
         m.terminated, m.num_tokens, m._row_shape = self.terminated, self.num_tokens, self._row_shape
+        m._mask_row = self._mask_row
         m._next, m._stopped, m._accepting, m._ff = self._next, self._stopped, self._accepting, self._ff
         return m
 
