@@ -21,3 +21,10 @@ void rmsnorm(const float *x, float *residual, const float *w, int64_t rows, int6
 int gguf_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y, int threads);
 int gguf_matmul_q8(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                    int threads);
+int gguf_gemv_fused(int type, const float *x, int64_t K, const uint8_t *w, int64_t N, float *y, int threads,
+                    const float *norm_w, float eps, int silu_mul, int accumulate, int q8);
+int rope_store_kv(float *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, const int64_t *positions,
+                  const float *table, const int64_t *out_loc, float *k_buf, float *v_buf, int threads);
+int paged_attention(const float *q, const float *k_buf, const float *v_buf, const int64_t *slots, int64_t slot_stride,
+                    const int64_t *token_req, const int64_t *token_len, int64_t tokens, int64_t H, int64_t Hkv,
+                    int64_t D, float scale, float logit_cap, int64_t window, float *out, int threads);

@@ -29,3 +29,58 @@ int gguf_gemv_fused(int type, const float *x, int64_t K, const uint8_t *w, int64
     free(scratch);
     return status;
 }
+
+/* One decoder layer's weights and KV buffers for decoder_one_token (gguf_quant.OneTokenLayer mirrors it). */
+struct one_token_layer {
+    const uint8_t *qkv, *o, *gate_up, *down;         /* GGUF block weights */
+    int64_t qkv_type, o_type, gate_up_type, down_type;
+    int64_t qkv_rows, gate_up_rows;                   /* (H + 2 Hkv) D and 2 x the intermediate size */
+    const float *input_norm, *post_norm;              /* RMSNorm weights [hidden] */
+    float *k_buf, *v_buf;                             /* [pool rows, Hkv, D] */
+    int64_t window;                                   /* <= 0: none */
+    float eps, scale, logit_cap, unused;
+};
+
+static int q8_type(int64_t type) { return type == 2 || type == 3 || type == 6 || type == 7 || type == 8; }
+
+/* One token through n_layers Llama decoder layers in one call, each layer as LlamaDecoderLayer.forward_one_token
+ * runs it call by call (and rounded as those calls round): the input RMSNorm in the qkv GEMV, rotary and the KV
+ * store (rope_store_kv), attention over the request's slots (paged_attention: the token at `position`, stored in
+ * pool row out_loc, sees the first token_len positions of `slots`), o_proj added into the residual, the post-attention
+ * RMSNorm in the gate_up GEMV with the SiLU-mul, down_proj added into the residual. residual [hidden] is updated in
+ * place. q8: the GEMVs of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights round their input to 8 bits (gguf_matmul_q8).
+ * At batch 1 the per-layer Python work (six native calls, their tensors and arguments) was a third of a step.
+ * Returns 0, or the first failing kernel's status. */
+int decoder_one_token(const struct one_token_layer *layers, int64_t n_layers, int64_t hidden, int64_t H, int64_t Hkv,
+                      int64_t D, float *residual, const int64_t *position, const float *rope_table,
+                      const int64_t *out_loc, const int64_t *slots, const int64_t *token_len, int q8, int threads) {
+    int64_t intermediate = 0;
+    for (int64_t i = 0; i < n_layers; i++)
+        intermediate = layers[i].gate_up_rows / 2 > intermediate ? layers[i].gate_up_rows / 2 : intermediate;
+    const int64_t qkv_width = (H + 2 * Hkv) * D;
+    float *scratch = (float *)malloc((size_t)(qkv_width + H * D + intermediate) * sizeof(float));
+    if (!scratch) abort();
+    float *qkv = scratch, *attn = qkv + qkv_width, *mlp = attn + H * D;
+    const int64_t token_req = 0;
+    int status = 0;
+    for (int64_t i = 0; i < n_layers && status == 0; i++) {
+        const struct one_token_layer *l = &layers[i];
+        status = gguf_gemv_fused((int)l->qkv_type, residual, hidden, l->qkv, l->qkv_rows, qkv, threads, l->input_norm,
+                                 l->eps, 0, 0, q8 && q8_type(l->qkv_type));
+        if (status == 0) status = rope_store_kv(qkv, 1, H, Hkv, D, position, rope_table, out_loc, l->k_buf, l->v_buf, 1);
+        if (status == 0)
+            status = paged_attention(qkv, l->k_buf, l->v_buf, slots, 0, &token_req, token_len, 1, H, Hkv, D, l->scale,
+                                     l->logit_cap, l->window, attn, threads);
+        if (status == 0)
+            status = gguf_gemv_fused((int)l->o_type, attn, H * D, l->o, hidden, residual, threads, NULL, 0.0f, 0, 1,
+                                     q8 && q8_type(l->o_type));
+        if (status == 0)
+            status = gguf_gemv_fused((int)l->gate_up_type, residual, hidden, l->gate_up, l->gate_up_rows, mlp, threads,
+                                     l->post_norm, l->eps, 1, 0, q8 && q8_type(l->gate_up_type));
+        if (status == 0)
+            status = gguf_gemv_fused((int)l->down_type, mlp, l->gate_up_rows / 2, l->down, hidden, residual, threads,
+                                     NULL, 0.0f, 0, 1, q8 && q8_type(l->down_type));
+    }
+    free(scratch);
+    return status;
+}
