@@ -4,8 +4,14 @@
  * ctypes calls and torch ops; each step rounds as its separate kernel does (rmsnorm.c, gguf_matmul). */
 #include "native.h"
 
-#include <math.h>
 #include <stdlib.h>
+
+/* silu(g) * u lane by lane, as F.silu(g) * u: g / (1 + exp(-g)), then times u (exp8: within about an ulp of
+ * expf). */
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 e = exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
 
 /* y = W . x' for one row x of K floats and a GGUF block weight W of N rows, where x' = rmsnorm(x) * norm_w when
  * norm_w is given (else x). silu_mul: W is [gate; up] and y[j] = silu(g_j) * u_j for j < N / 2. accumulate: the
@@ -20,10 +26,25 @@ int gguf_gemv_fused(int type, const float *x, int64_t K, const uint8_t *w, int64
     const int status = (q8 ? gguf_matmul_q8 : gguf_matmul)(type, norm_w ? xn : x, 1, K, w, N, out, threads);
     if (status == 0) {
         const int64_t n = silu_mul ? N / 2 : N;
-        for (int64_t j = 0; j < n; j++) {
-            float v = out[j];
-            if (silu_mul) v = v / (1.0f + expf(-v)) * out[n + j]; /* as F.silu(g) * u */
-            y[j] = accumulate ? y[j] + v : v;
+        float tail[3][8] = {{0}}; /* the last n % 8 values, padded to a vector */
+        for (int64_t j = 0; j < n; j += 8) {
+            const int64_t left = n - j;
+            const float *g = out + j, *u = out + n + j;
+            float *dst = y + j;
+            if (left < 8) {
+                for (int64_t i = 0; i < left; i++) {
+                    tail[0][i] = g[i];
+                    if (silu_mul) tail[1][i] = u[i];
+                    tail[2][i] = y[j + i];
+                }
+                g = tail[0], u = tail[1], dst = tail[2];
+            }
+            __m256 v = _mm256_loadu_ps(g);
+            if (silu_mul) v = silu_mul8(v, _mm256_loadu_ps(u));
+            if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(dst), v);
+            _mm256_storeu_ps(dst, v);
+            if (left < 8)
+                for (int64_t i = 0; i < left; i++) y[j + i] = tail[2][i];
         }
     }
     free(scratch);
