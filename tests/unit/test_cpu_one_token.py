@@ -118,7 +118,7 @@ def test_whole_decoder_call_equals_the_per_layer_calls(tiny_all_blocks_dir, monk
 
     outs = [generate()]
     assert len(calls) >= len(prompts) * (params["max_new_tokens"] - 1), "the whole-decoder call was not taken"
-    monkeypatch.setattr(LlamaModel, "native_one_token", lambda self, hidden, rope, fb: False)
+    monkeypatch.setattr(LlamaModel, "native_one_token", lambda self, hidden, rope, fb: None)
     outs.append(generate())
     monkeypatch.setattr(KernelOptions, "one_token_path", lambda self, x: False)
     outs.append(generate())

@@ -294,17 +294,20 @@ def one_token_layer(qkv, o, gate_up, down, input_norm, post_norm, k_buf: torch.T
 
 def decoder_one_token(layers, residual: torch.Tensor, heads: tuple[int, int, int], position: torch.Tensor,
                       rope_table: torch.Tensor, out_loc: torch.Tensor, slots: torch.Tensor, token_len: torch.Tensor,
-                      q8: bool = False) -> torch.Tensor:
+                      final_norm=None, q8: bool = False) -> torch.Tensor:
     """One token through the decoder layers ``layers`` (a ctypes array of :class:`OneTokenLayer`) in one native
     call, each as ``LlamaDecoderLayer.forward_one_token`` runs it: ``residual [1, hidden]`` (contiguous float32)
-    is updated in place and returned. ``heads``: (H, Hkv, D); ``position``, ``out_loc``, ``token_len``: int64 [1]
-    (the token's position, its KV pool row, how many positions it sees); ``slots``: int64, the request's pool
-    rows by position; ``q8`` as in :func:`gemv_fused`. Needs the native kernels."""
+    is updated in place and returned, or with ``final_norm`` (an RMSNorm) that norm of it, as the native RMSNorm
+    computes it. ``heads``: (H, Hkv, D); ``position``, ``out_loc``, ``token_len``: int64 [1] (the token's position,
+    its KV pool row, how many positions it sees); ``slots``: int64, the request's pool rows by position; ``q8`` as
+    in :func:`gemv_fused`. Needs the native kernels."""
     H, Hkv, D = heads
+    out = residual if final_norm is None else torch.empty_like(residual)
     status = native.kernels().decoder_one_token(
         ctypes.addressof(layers), len(layers), residual.shape[-1], H, Hkv, D, residual.data_ptr(),
         position.data_ptr(), rope_table.data_ptr(), out_loc.data_ptr(), slots.data_ptr(), token_len.data_ptr(),
-        int(q8), torch.get_num_threads())
+        None if final_norm is None else final_norm.weight.data_ptr(), 0.0 if final_norm is None else final_norm.eps,
+        out.data_ptr(), int(q8), torch.get_num_threads())
     if status != 0:
         raise ValueError(f"decoder_one_token: a layer's kernels failed (status {status})")
-    return residual
+    return out

@@ -190,8 +190,10 @@ class LlamaModel(nn.Module):
         fused = opts is not None and (opts.fused_ops or opts.native_cpu)  # rotary from the cos|sin table
         rope = self.rotary_emb.for_batch(positions, hidden.dtype, fused,
                                          fb.req_to_token_pool.max_context_len if fused else 0)
-        if opts is not None and opts.native_cpu and opts.one_token_path(hidden) and self.native_one_token(hidden, rope, fb):
-            return self.norm(hidden, opts=opts)
+        if opts is not None and opts.native_cpu and opts.one_token_path(hidden):
+            out = self.native_one_token(hidden, rope, fb)
+            if out is not None:
+                return out
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, fb)
@@ -200,28 +202,29 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual, opts)[0]
 
 
-    def native_one_token(self, hidden: torch.Tensor, rope: RopeBatch, fb) -> bool:
-        """CPU, one token, native kernels: every decoder layer in one C call (gguf_quant.decoder_one_token; the
-        same kernels and roundings as forward_one_token's calls), ``hidden`` (the embedding, contiguous) updated in
-        place into the residual stream after the last layer. False (nothing done) where a layer does not fit:
-        Qwen3's q/k norms, MoE, a linear kept in float or with a bias, an attention backend not reading the pool
-        in place for this batch. The layers' pointers are collected once per KV pool."""
+    def native_one_token(self, hidden: torch.Tensor, rope: RopeBatch, fb) -> torch.Tensor | None:
+        """CPU, one token, native kernels: every decoder layer and the final norm in one C call
+        (gguf_quant.decoder_one_token; the same kernels and roundings as forward_one_token's calls and the norm's),
+        ``hidden`` (the embedding, contiguous) updated in place into the residual stream; returns the normed
+        output. None (nothing done) where a layer does not fit: Qwen3's q/k norms, MoE, a linear kept in float or
+        with a bias, an attention backend not reading the pool in place for this batch. The layers' pointers are
+        collected once per KV pool."""
         rows = getattr(fb.attn_backend, "native_rows", None)
         tokens = getattr(fb.attn_backend, "native_tokens", None)
         if tokens is None or rope.table is None or not hidden.is_contiguous():
-            return False
+            return None
         pool = fb.token_to_kv_pool
         key = (id(pool), pool.get_key_buffer(0).data_ptr(), self.layers[0].self_attn.qkv_proj.weight.data_ptr())
         if self._native_stack[0] != key:
             self._native_stack = (key, self._one_token_layers(pool))
         layers = self._native_stack[1]
         if layers is None:
-            return False
+            return None
         attn = self.layers[0].self_attn
-        gguf_quant.decoder_one_token(layers, hidden, (attn.num_heads, attn.num_kv_heads, attn.head_dim),
-                                     rope.positions.to(torch.int64), rope.table, fb.out_cache_loc.to(torch.int64),
-                                     rows, tokens[1], q8=fb.kernel_options.q8_activations)
-        return True
+        return gguf_quant.decoder_one_token(layers, hidden, (attn.num_heads, attn.num_kv_heads, attn.head_dim),
+                                            rope.positions.to(torch.int64), rope.table,
+                                            fb.out_cache_loc.to(torch.int64), rows, tokens[1], final_norm=self.norm,
+                                            q8=fb.kernel_options.q8_activations)
 
     def _one_token_layers(self, pool):
         """The ctypes array of gguf_quant.OneTokenLayer for native_one_token, or None (see there)."""

@@ -69,12 +69,14 @@ static int q8_type(int64_t type) { return type == 2 || type == 3 || type == 6 ||
  * store (rope_store_kv), attention over the request's slots (paged_attention: the token at `position`, stored in
  * pool row out_loc, sees the first token_len positions of `slots`), o_proj added into the residual, the post-attention
  * RMSNorm in the gate_up GEMV with the SiLU-mul, down_proj added into the residual. residual [hidden] is updated in
- * place. q8: the GEMVs of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights round their input to 8 bits (gguf_matmul_q8).
+ * place; with final_norm, out = the model's final RMSNorm of it (as rmsnorm.c). q8: the GEMVs of Q4_0 / Q4_1 / Q5_0 /
+ * Q5_1 / Q8_0 weights round their input to 8 bits (gguf_matmul_q8).
  * At batch 1 the per-layer Python work (six native calls, their tensors and arguments) was a third of a step.
  * Returns 0, or the first failing kernel's status. */
 int decoder_one_token(const struct one_token_layer *layers, int64_t n_layers, int64_t hidden, int64_t H, int64_t Hkv,
                       int64_t D, float *residual, const int64_t *position, const float *rope_table,
-                      const int64_t *out_loc, const int64_t *slots, const int64_t *token_len, int q8, int threads) {
+                      const int64_t *out_loc, const int64_t *slots, const int64_t *token_len, const float *final_norm,
+                      float final_eps, float *out, int q8, int threads) {
     int64_t intermediate = 0;
     for (int64_t i = 0; i < n_layers; i++)
         intermediate = layers[i].gate_up_rows / 2 > intermediate ? layers[i].gate_up_rows / 2 : intermediate;
@@ -102,6 +104,7 @@ int decoder_one_token(const struct one_token_layer *layers, int64_t n_layers, in
             status = gguf_gemv_fused((int)l->down_type, mlp, l->gate_up_rows / 2, l->down, hidden, residual, threads,
                                      NULL, 0.0f, 0, 1, q8 && q8_type(l->down_type));
     }
+    if (status == 0 && final_norm) rmsnorm(residual, NULL, final_norm, 1, hidden, final_eps, out, 1);
     free(scratch);
     return status;
 }
