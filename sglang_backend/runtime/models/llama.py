@@ -201,23 +201,25 @@ class LlamaModel(nn.Module):
             return self.norm(residual, opts=opts)
         return self.norm(hidden, residual, opts)[0]
 
-
     def native_one_token(self, hidden: torch.Tensor, rope: RopeBatch, fb) -> torch.Tensor | None:
         """CPU, one token, native kernels: every decoder layer and the final norm in one C call
         (gguf_quant.decoder_one_token; the same kernels and roundings as forward_one_token's calls and the norm's),
         ``hidden`` (the embedding, contiguous) updated in place into the residual stream; returns the normed
         output. None (nothing done) where a layer does not fit: Qwen3's q/k norms, MoE, a linear kept in float or
         with a bias, an attention backend not reading the pool in place for this batch. The layers' pointers are
-        collected once per KV pool."""
+        collected once per KV pool (held with it)."""
         rows = getattr(fb.attn_backend, "native_rows", None)
         tokens = getattr(fb.attn_backend, "native_tokens", None)
         if tokens is None or rope.table is None or not hidden.is_contiguous():
             return None
         pool = fb.token_to_kv_pool
-        key = (id(pool), pool.get_key_buffer(0).data_ptr(), self.layers[0].self_attn.qkv_proj.weight.data_ptr())
-        if self._native_stack[0] != key:
-            self._native_stack = (key, self._one_token_layers(pool))
-        layers = self._native_stack[1]
+        weight = self.layers[0].self_attn.qkv_proj.weight.data_ptr()
+        key, layers = self._native_stack
+        if key is None or key[0] is not pool or key[1] != weight:
+            # the key holds the pool and its buffers: the pointers in `layers` stay valid while it is in use
+            layers = self._one_token_layers(pool)
+            buffers = [(pool.get_key_buffer(i), pool.get_value_buffer(i)) for i in range(len(self.layers))]
+            self._native_stack = ((pool, weight, buffers), layers)
         if layers is None:
             return None
         attn = self.layers[0].self_attn
