@@ -68,10 +68,11 @@ def test_activation_rounding_equals_the_reference():
 
 @needs_kernels
 @pytest.mark.parametrize("gguf_type", gguf_quant.Q8_ACTIVATION_FORMATS)
-@pytest.mark.parametrize("rows,in_features", [(37, 96), (300, 576), (13, 32)])
+@pytest.mark.parametrize("rows,in_features", [(37, 96), (300, 576), (13, 32), (9, 288), (5, 512)])
 @pytest.mark.parametrize("make", ["quantize", "random"])
 def test_q8_matmul_equals_reference(gguf_type, rows, in_features, make):
-    """Odd row counts (not whole 8-row groups), odd block counts, 1 to MAX_NATIVE_ROWS activation rows (the 4-row
+    """Odd row counts (not whole 8-row groups), odd block counts, block counts in whole groups of 8 and not (one
+    activation row: the GEMV's 8-block groups and their masked tail), 1 to MAX_NATIVE_ROWS activation rows (the 4-row
     tiles with tails); above that the dequantized float path, as without q8. Random blocks hold every quant (Q8_0's
     -128 too: the widest integer products)."""
     gen = torch.Generator().manual_seed(rows + in_features)

@@ -17,6 +17,7 @@ blocks are dequantized at load, exactly as gguf-py dequantizes them, and the lay
 
 from __future__ import annotations
 
+import ctypes
 import json
 from dataclasses import dataclass
 
@@ -258,3 +259,55 @@ def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if native.kernels().gguf_quantize_q8(x.data_ptr(), rows, columns, q.data_ptr(), d.data_ptr(), s.data_ptr()):
         raise ValueError(f"quantize_activations_q8: {columns} columns are not whole blocks of 32")
     return q, d, s
+
+
+class OneTokenLayer(ctypes.Structure):
+    """One decoder layer for :func:`decoder_one_token`: the C ``struct one_token_layer`` (native/one_token.c)."""
+    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("qkv_type", ctypes.c_int64), ("o_type", ctypes.c_int64),
+                ("gate_up_type", ctypes.c_int64), ("down_type", ctypes.c_int64), ("qkv_rows", ctypes.c_int64),
+                ("gate_up_rows", ctypes.c_int64), ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("k_buf", ctypes.c_void_p), ("v_buf", ctypes.c_void_p), ("window", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("logit_cap", ctypes.c_float),
+                ("unused", ctypes.c_float)]
+
+
+def one_token_layer(qkv, o, gate_up, down, input_norm, post_norm, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                    scale: float, window: int | None = None, logit_cap: float | None = None) -> OneTokenLayer | None:
+    """A Llama decoder layer as :func:`decoder_one_token` runs it, from its four linears (each with a ``weight`` of
+    GGUF blocks, ``gguf_type`` and ``bias``), its two RMSNorms (``weight``, ``eps``, one eps for both) and its
+    float32 KV buffers ``[pool rows, Hkv, D]``; None when the layer does not fit (a linear kept in float, a
+    bias, norms of different eps, another KV dtype)."""
+    linears = (qkv, o, gate_up, down)
+    if any(getattr(lin, "gguf_type", None) is None or lin.bias is not None for lin in linears):
+        return None
+    if input_norm.eps != post_norm.eps or k_buf.dtype != torch.float32 or v_buf.dtype != torch.float32:
+        return None
+    if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+        return None
+    return OneTokenLayer(
+        qkv.weight.data_ptr(), o.weight.data_ptr(), gate_up.weight.data_ptr(), down.weight.data_ptr(),
+        *(FORMATS[lin.gguf_type][0] for lin in linears), qkv.weight.shape[0], gate_up.weight.shape[0],
+        input_norm.weight.data_ptr(), post_norm.weight.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), window or 0,
+        input_norm.eps, scale, logit_cap or 0.0, 0.0)
+
+
+def decoder_one_token(layers, residual: torch.Tensor, heads: tuple[int, int, int], position: torch.Tensor,
+                      rope_table: torch.Tensor, out_loc: torch.Tensor, slots: torch.Tensor, token_len: torch.Tensor,
+                      final_norm=None, q8: bool = False) -> torch.Tensor:
+    """One token through the decoder layers ``layers`` (a ctypes array of :class:`OneTokenLayer`) in one native
+    call, each as ``LlamaDecoderLayer.forward_one_token`` runs it: ``residual [1, hidden]`` (contiguous float32)
+    is updated in place and returned, or with ``final_norm`` (an RMSNorm) that norm of it, as the native RMSNorm
+    computes it. ``heads``: (H, Hkv, D); ``position``, ``out_loc``, ``token_len``: int64 [1] (the token's position,
+    its KV pool row, how many positions it sees); ``slots``: int64, the request's pool rows by position; ``q8`` as
+    in :func:`gemv_fused`. Needs the native kernels."""
+    H, Hkv, D = heads
+    out = residual if final_norm is None else torch.empty_like(residual)
+    status = native.kernels().decoder_one_token(
+        ctypes.addressof(layers), len(layers), residual.shape[-1], H, Hkv, D, residual.data_ptr(),
+        position.data_ptr(), rope_table.data_ptr(), out_loc.data_ptr(), slots.data_ptr(), token_len.data_ptr(),
+        None if final_norm is None else final_norm.weight.data_ptr(), 0.0 if final_norm is None else final_norm.eps,
+        out.data_ptr(), int(q8), torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"decoder_one_token: a layer's kernels failed (status {status})")
+    return out

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..distributed.parallel_state import get_tp_rank, kv_head_range, split_evenly
+from ..layers import gguf_quant
 from ..layers.activation import silu_and_mul
 from ..layers.kernel_options import KernelOptions
 from ..layers.layernorm import RMSNorm, head_rmsnorm
@@ -179,6 +180,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self._native_stack = (None, None)  # (key, ctypes array of layers or None): see native_one_token
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None):
         # input_embeds: multimodal models pass embeddings with image features already merged in.
@@ -188,12 +190,63 @@ class LlamaModel(nn.Module):
         fused = opts is not None and (opts.fused_ops or opts.native_cpu)  # rotary from the cos|sin table
         rope = self.rotary_emb.for_batch(positions, hidden.dtype, fused,
                                          fb.req_to_token_pool.max_context_len if fused else 0)
+        if opts is not None and opts.native_cpu and opts.one_token_path(hidden):
+            out = self.native_one_token(hidden, rope, fb)
+            if out is not None:
+                return out
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, fb)
         if hidden is None:  # one-token fused GEMVs: the residual adds are done
             return self.norm(residual, opts=opts)
         return self.norm(hidden, residual, opts)[0]
+
+    def native_one_token(self, hidden: torch.Tensor, rope: RopeBatch, fb) -> torch.Tensor | None:
+        """CPU, one token, native kernels: every decoder layer and the final norm in one C call
+        (gguf_quant.decoder_one_token; the same kernels and roundings as forward_one_token's calls and the norm's),
+        ``hidden`` (the embedding, contiguous) updated in place into the residual stream; returns the normed
+        output. None (nothing done) where a layer does not fit: Qwen3's q/k norms, MoE, a linear kept in float or
+        with a bias, an attention backend not reading the pool in place for this batch. The layers' pointers are
+        collected once per KV pool (held with it)."""
+        rows = getattr(fb.attn_backend, "native_rows", None)
+        tokens = getattr(fb.attn_backend, "native_tokens", None)
+        if tokens is None or rope.table is None or not hidden.is_contiguous():
+            return None
+        pool = fb.token_to_kv_pool
+        weight = self.layers[0].self_attn.qkv_proj.weight.data_ptr()
+        key, layers = self._native_stack
+        if key is None or key[0] is not pool or key[1] != weight:
+            # the key holds the pool and its buffers: the pointers in `layers` stay valid while it is in use
+            layers = self._one_token_layers(pool)
+            buffers = [(pool.get_key_buffer(i), pool.get_value_buffer(i)) for i in range(len(self.layers))]
+            self._native_stack = ((pool, weight, buffers), layers)
+        if layers is None:
+            return None
+        attn = self.layers[0].self_attn
+        return gguf_quant.decoder_one_token(layers, hidden, (attn.num_heads, attn.num_kv_heads, attn.head_dim),
+                                            rope.positions.to(torch.int64), rope.table,
+                                            fb.out_cache_loc.to(torch.int64), rows, tokens[1], final_norm=self.norm,
+                                            q8=fb.kernel_options.q8_activations)
+
+    def _one_token_layers(self, pool):
+        """The ctypes array of gguf_quant.OneTokenLayer for native_one_token, or None (see there)."""
+        layers = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if not layer.fused_one_token or attn.q_norm is not None or not isinstance(mlp, LlamaMLP):
+                return None
+            hidden = layer.input_layernorm.weight.shape[0]
+            heads = attn.num_heads * attn.head_dim
+            shapes_fit = (attn.qkv_proj.weight.shape[0] == heads + 2 * attn.num_kv_heads * attn.head_dim
+                          and attn.o_proj.weight.shape[0] == hidden and mlp.down_proj.weight.shape[0] == hidden)
+            entry = gguf_quant.one_token_layer(
+                attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, layer.input_layernorm,
+                layer.post_attention_layernorm, pool.get_key_buffer(i), pool.get_value_buffer(i), attn.attn.scaling,
+                attn.attn.sliding_window, attn.attn.logit_cap) if shapes_fit else None
+            if entry is None:
+                return None
+            layers.append(entry)
+        return (gguf_quant.OneTokenLayer * len(layers))(*layers)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -123,6 +123,7 @@ _SIGNATURES = {
     "gguf_gemv_fused": "tpipiptpfttt",
     "gguf_matmul_q8": "tpiipipt",
     "gguf_quantize_q8": "piippp",
+    "decoder_one_token": "piiiiipppppppfptt",
 }
 _CTYPES = {"i": ctypes.c_int64, "p": ctypes.c_void_p, "f": ctypes.c_float, "t": ctypes.c_int}
 

@@ -39,6 +39,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef Q8_GEMV_ROWS
+#define Q8_GEMV_ROWS 1
+#endif
+
 enum {
     GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
     GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
@@ -503,13 +507,117 @@ static inline __attribute__((always_inline)) void q8_rows(int type, int RW, int 
     }
 }
 
-/* One activation row: 2 weight rows at a time (Q8_0: 1; its 2-row tiles ran at 0.6x streaming a 30 MB LM head on
- * an EPYC VM, 1.4x faster in cache); several: 2 weight rows x 4 activation rows. */
+/* --- one activation row (the GEMV of a decode step at batch 1) ---
+ *
+ * Groups of 8 blocks: each block's integer dot (8 int32 lanes) is reduced horizontally into one lane of a vector of
+ * the 8 blocks' sums (integers: exact), converted to float once, multiplied by the 8 blocks' dx * dw and accumulated;
+ * the 8 weight scales (and Q4_1 / Q5_1 mins) come in one gather, the activation scales and sums are contiguous. Per
+ * block that leaves the quants' decode and two integer multiply-adds; llama.cpp's per-block scalar scale handling
+ * (and ours before) was about half of the instructions. RW weight rows share each activation block's load. */
+
+/* The 32 quants u of a weight block as bytes in column order (see q8_weight). */
+static inline __m256i q8_quants(int type, const uint8_t *b) {
+    switch (type) {
+    case GGML_Q4_0: return nibbles(b + 2);
+    case GGML_Q4_1: return nibbles(b + 4);
+    case GGML_Q5_0: return _mm256_or_si256(nibbles(b + 6), fifth_bits(b + 2));
+    case GGML_Q5_1: return _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4));
+    default: return _mm256_loadu_si256((const __m256i *)(b + 2)); /* Q8_0 */
+    }
+}
+
+/* sum_j u_j q_j over a block as 8 int32 lanes (exact, see above). */
+static inline __m256i q8_int_dot(int type, __m256i u, __m256i qx) {
+    const __m256i pairs = type == GGML_Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(qx, u))
+                                            : _mm256_maddubs_epi16(u, qx);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* Blocks i < valid of the 4 from b (weight) and q (activation quants): lanes 0-3 hold their dots' halves over lanes
+ * 0-3 of q8_int_dot, lanes 4-7 over lanes 4-7 (hsum4x2 adds the two). Blocks from valid on count 0. */
+static inline __attribute__((always_inline)) __m256i q8_dot4(int type, const uint8_t *b, const int8_t *q, int valid) {
+    const int bb = block_bytes(type);
+    __m256i p[4];
+    for (int i = 0; i < 4; i++)
+        p[i] = i < valid ? q8_int_dot(type, q8_quants(type, b + i * bb), _mm256_loadu_si256((const __m256i *)(q + 32 * i)))
+                         : _mm256_setzero_si256();
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+}
+
+/* Lane i of the result: block i's whole dot, from q8_dot4 of blocks 0-3 (t0) and 4-7 (t1). */
+static inline __m256i hsum4x2(__m256i t0, __m256i t1) {
+    return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20), _mm256_permute2x128_si256(t0, t1, 0x31));
+}
+
+/* dw and cw (see q8_weight) of the 8 blocks from b on (the lanes of `mask`; the others 0): each block's first 4
+ * bytes, d | m << 16 for Q4_1 / Q5_1, in one gather; the fp16 halves split with a byte shuffle. */
+static inline void q8_scales8(int type, const uint8_t *b, __m256i offsets, __m256i mask, int full, __m256 *dw,
+                              __m256 *cw) {
+    const __m256i words = full ? _mm256_i32gather_epi32((const int *)b, offsets, 1)
+                               : _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)b, offsets, mask, 1);
+    const __m256i split = _mm256_shuffle_epi8(words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                                      0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i halves = _mm256_permute4x64_epi64(split, 0xD8); /* d of blocks 0-7, then the high halves */
+    *dw = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    switch (type) {
+    case GGML_Q4_0: *cw = _mm256_mul_ps(_mm256_set1_ps(-8.0f), *dw); break;
+    case GGML_Q5_0: *cw = _mm256_mul_ps(_mm256_set1_ps(-16.0f), *dw); break;
+    case GGML_Q4_1: case GGML_Q5_1: *cw = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)); break;
+    default: *cw = _mm256_setzero_ps(); /* Q8_0 */
+    }
+}
+
+#ifndef Q8_PREFETCH_BYTES
+#define Q8_PREFETCH_BYTES 2048 /* ahead of each weight row's reads */
+#endif
+
+/* Blocks b0 .. b0 + valid - 1 (valid <= 8; a constant 8 but for a row's last group) of RW weight rows, into acc[r]. */
+static inline __attribute__((always_inline)) void q8_gemv_group(int type, int RW, const struct q8_rows_act *a,
+                                                                const uint8_t *const *wr, int64_t b0, int valid,
+                                                                __m256i offsets, __m256 *acc) {
+    const int bb = block_bytes(type), full = valid == 8;
+    for (int r = 0; r < RW; r++)
+        for (int off = 0; off < 8 * bb; off += 64) _mm_prefetch((const char *)(wr[r] + b0 * bb + Q8_PREFETCH_BYTES + off), _MM_HINT_T0);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 dx = full ? _mm256_loadu_ps(a->d + b0) : _mm256_maskload_ps(a->d + b0, mask);
+    const __m256 s = type == GGML_Q8_0 ? _mm256_setzero_ps()
+                     : full ? _mm256_loadu_ps(a->s + b0) : _mm256_maskload_ps(a->s + b0, mask);
+    for (int r = 0; r < RW; r++) {
+        __m256 dw, cw;
+        q8_scales8(type, wr[r] + b0 * bb, offsets, mask, full, &dw, &cw);
+        const uint8_t *wb = wr[r] + b0 * bb;
+        const int8_t *q = a->q + 32 * b0;
+        const __m256i dots = hsum4x2(q8_dot4(type, wb, q, valid), q8_dot4(type, wb + 4 * bb, q + 128, valid - 4));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dx, dw), acc[r]);
+        if (type != GGML_Q8_0) acc[r] = _mm256_fmadd_ps(cw, s, acc[r]);
+    }
+}
+
+/* y[n] = w[n] . x for weight rows [n0, n1), RW at a time (a short last group repeats its last row). */
+static inline __attribute__((always_inline)) void q8_gemv(int type, int RW, const struct q8_rows_act *a, int64_t K,
+                                                          const uint8_t *w, int64_t n0, int64_t n1, float *y) {
+    const int bb = block_bytes(type);
+    const int64_t nb = K / 32, row_bytes = nb * bb;
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bb));
+    for (int64_t n = n0; n < n1; n += RW) {
+        const uint8_t *wr[4];
+        __m256 acc[4];
+        for (int r = 0; r < RW; r++) {
+            wr[r] = w + (n + r < n1 ? n + r : n1 - 1) * row_bytes;
+            acc[r] = _mm256_setzero_ps();
+        }
+        int64_t b0 = 0;
+        for (; b0 + 8 <= nb; b0 += 8) q8_gemv_group(type, RW, a, wr, b0, 8, offsets, acc);
+        if (b0 < nb) q8_gemv_group(type, RW, a, wr, b0, (int)(nb - b0), offsets, acc);
+        for (int r = 0; r < RW && n + r < n1; r++) y[n + r] = hsum(acc[r]);
+    }
+}
+
+/* One activation row: q8_gemv, 2 weight rows at a time; several: tiles of 2 weight rows x 4 activation rows. */
 static inline __attribute__((always_inline)) void q8_part_rows(int type, const struct q8_rows_act *a, int64_t M,
                                                                int64_t K, const uint8_t *w, int64_t N, int64_t n0,
                                                                int64_t n1, float *y, float *cwb) {
-    if (M == 1 && type == GGML_Q8_0) q8_rows(type, 1, 1, a, M, K, w, N, n0, n1, y, cwb);
-    else if (M == 1) q8_rows(type, 2, 1, a, M, K, w, N, n0, n1, y, cwb);
+    if (M == 1) q8_gemv(type, Q8_GEMV_ROWS, a, K, w, n0, n1, y);
     else q8_rows(type, 2, 4, a, M, K, w, N, n0, n1, y, cwb);
 }
 
