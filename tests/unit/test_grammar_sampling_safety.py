@@ -176,3 +176,18 @@ def test_penalty_ranges(field, value):
 def test_logit_bias_range(bias):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: bias}).verify(100)
+
+
+def test_finite_rows_flags_exactly_the_rows_with_nan_or_inf():
+    from sglang_backend.runtime.layers.sampler import finite_rows
+
+    logits = torch.randn(5, 1000)
+    assert finite_rows(logits) == [True] * 5
+    logits[1, 7] = float("nan")
+    logits[3, 0] = float("-inf")
+    logits[4, 999] = float("inf")
+    assert finite_rows(logits) == [True, False, True, False, False]
+    # Finite values whose sum overflows: the sums say "not finite", the value-by-value check says finite.
+    huge = torch.full((2, 1000), 3e38)
+    huge[1, 5] = float("nan")
+    assert finite_rows(huge) == [True, False]

@@ -21,7 +21,7 @@ from ...utils import die_with_parent
 from ..constrained import GrammarCache, GrammarTooComplex, cache_options, retokenize_jump_forward
 from ..constrained.packed_masks import apply_packed_masks
 from ..layers.logits_processor import token_logprobs, top_logprobs
-from ..layers.sampler import Sampler, SamplingBatchInfo
+from ..layers.sampler import Sampler, SamplingBatchInfo, finite_rows
 from ..mem_cache.chunk_cache import ChunkCache
 from ..mem_cache.host_pool import HostKVPool
 from ..mem_cache.radix_cache import RadixCache
@@ -897,7 +897,7 @@ class Scheduler:
         """NaN/inf logits (a numerically broken forward for some rows) fail those requests only."""
         if self.fault_injector is not None:
             logits = self.fault_injector.corrupt_logits(reqs, logits)
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        finite = finite_rows(logits)
         if all(finite):
             return reqs, logits
         for req, ok in zip(reqs, finite):
