@@ -372,8 +372,9 @@ def cache_options(server_args) -> dict:
 
 
 def default_mask_threads(device: str) -> int:
-    """llguidance mask threads: 1 on the CPU (the forward wants every core); on a GPU half the cores, at most 8
-    (a batch of 64 masks of ~0.1-0.2 ms each then fits well inside one decode step)."""
+    """llguidance mask threads: 1 on the CPU (the forward wants every core); on a GPU half the cores, at most 8,
+    computing a batch's masks while the forward runs. They scale poorly: on an H200 host 8 threads took ~2.2 ms per
+    mask of the JSON regex (letter classes walk most of the vocabulary), so 64 requests still waited ~10 ms a step."""
     return 1 if on_cpu(device) else max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
