@@ -157,3 +157,35 @@ def test_fill_mask_along_walks_equals_the_dense_path(tokenizer, backend, kernel_
             if tok == eos:
                 break
     assert {1, 2} <= seen  # forced steps and choices both met
+
+
+def test_native_cpu_kernels_off_turns_the_mask_kernel_off_too(smollm_dir):
+    """``disable_native_cpu_kernels`` (the ablation knob) reaches the grammar masks: both engines' grammars then
+    mask CPU rows through numpy, with the same result as the kernel."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from sglang_backend.runtime.constrained import GrammarCache, cache_options
+    from sglang_backend.runtime.server_args import ServerArgs
+
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    assert cache_options(ServerArgs(model_path="x", disable_native_cpu_kernels=True))["native_masks"] is False
+    assert cache_options(ServerArgs(model_path="x"))["native_masks"] is True
+    regex = r'\{"a": "[a-z]{1,6}", "b": (true|false)\}'
+    rows = {}
+    for native_masks in (True, False):
+        for backend in ("fsm", "llguidance"):
+            cache = GrammarCache(tok, len(tok), {tok.eos_token_id}, disk_cache=False, backend=backend,
+                                 native_masks=native_masks)
+            grammar = cache.compile("regex", regex)
+            kernel = grammar.compiler.mask_row if backend == "llguidance" else grammar.mask_row
+            if not native_masks:
+                assert kernel is None  # asked off (on, it is None only where it cannot be built)
+            m = grammar.matcher()
+            m.advance(tok.encode('{"a": "')[0])
+            row = torch.randn(len(tok), generator=torch.Generator().manual_seed(0))
+            m.fill_mask(row)
+            rows[(native_masks, backend)] = row
+    for backend in ("fsm", "llguidance"):
+        assert torch.equal(rows[(True, backend)], rows[(False, backend)])
+        assert torch.isinf(rows[(True, backend)]).any()

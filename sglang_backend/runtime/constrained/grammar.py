@@ -92,7 +92,8 @@ class CompiledGrammar:
     """A grammar compiled for one tokenizer: shared, read-only, thread-safe."""
 
     def __init__(self, kind: str, spec: str, regex: str, dfa: ByteDFA, index: TokenIndex,
-                 vocab: TokenVocabulary, eos_token_ids: set[int], max_cached_masks: int = 512):
+                 vocab: TokenVocabulary, eos_token_ids: set[int], max_cached_masks: int = 512,
+                 native_masks: bool = True):
         self.kind = kind
         self.spec = spec
         self.regex = regex
@@ -111,7 +112,8 @@ class CompiledGrammar:
             if 0 <= e < self.vocab_size:
                 eos[e] = False
         self._eos_only = eos  # disallowed mask after termination
-        self.mask_row = mask_row_kernel()  # the C kernel for CPU float32 rows (None: the cached 0/-inf rows)
+        # The C kernel for CPU float32 rows (None: the cached 0/-inf rows; off with the native CPU kernels).
+        self.mask_row = mask_row_kernel() if native_masks else None
         self._bits: dict[int, bytes] = {}  # mask class (-1: EOS only) -> its allowed bits, little-endian
 
     def matcher(self) -> "GrammarMatcher":
@@ -368,7 +370,7 @@ def cache_options(server_args) -> dict:
     return dict(timeout_s=sa.grammar_compile_timeout, max_regex_chars=sa.grammar_max_regex_chars,
                 backend=sa.grammar_backend, max_states=sa.grammar_max_states, lexer_fuel=sa.grammar_lexer_fuel,
                 step_fuel=sa.grammar_step_fuel, mask_threads=sa.grammar_mask_threads or default_mask_threads(sa.device),
-                cpu_rows=on_cpu(sa.device))
+                cpu_rows=on_cpu(sa.device), native_masks=not sa.disable_native_cpu_kernels)
 
 
 def default_mask_threads(device: str) -> int:
@@ -397,7 +399,8 @@ class GrammarCache:
                  max_regex_chars: int = grammar_budget.DEFAULT_MAX_REGEX_CHARS, backend: str = "auto",
                  max_states: int = grammar_budget.DEFAULT_MAX_STATES,
                  lexer_fuel: int = grammar_budget.DEFAULT_LEXER_FUEL,
-                 step_fuel: int = grammar_budget.DEFAULT_STEP_FUEL, mask_threads: int = 1, cpu_rows: bool = True):
+                 step_fuel: int = grammar_budget.DEFAULT_STEP_FUEL, mask_threads: int = 1, cpu_rows: bool = True,
+                 native_masks: bool = True):
         if backend not in ("auto", "llguidance", "fsm"):
             raise ValueError(f"unknown grammar backend {backend!r}; expected 'auto', 'llguidance' or 'fsm'")
         if backend == "llguidance" and not llguidance_available():
@@ -424,6 +427,7 @@ class GrammarCache:
         self._pending: dict[tuple[str, str], Future] = {}
         self.mask_threads = mask_threads  # llguidance matchers' mask threads (``default_mask_threads``)
         self.cpu_rows = cpu_rows  # whether llguidance's masks come with CPU rows (a CPU scheduler's fill_mask)
+        self.native_masks = native_masks  # CPU rows masked by the C kernel (mask_row) where it builds
         self._llguidance = None  # llguidance_backend's compiler, built on first use (~1 s: its tokenizer)
         self._llguidance_failed: str | None = None  # why "auto" could not load it (then: our engine)
 
@@ -436,7 +440,8 @@ class GrammarCache:
             if self._llguidance is None and self._llguidance_failed is None:
                 try:
                     self._llguidance = LLGuidanceCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                          mask_threads=self.mask_threads, cpu_rows=self.cpu_rows)
+                                                          mask_threads=self.mask_threads, cpu_rows=self.cpu_rows,
+                                                          native_masks=self.native_masks)
                 except Exception as e:  # noqa: BLE001 - no package, or a tokenizer llguidance cannot load
                     self._llguidance_failed = str(e) or type(e).__name__
         if self._llguidance is None and (required or self.backend == "llguidance"):
@@ -456,7 +461,8 @@ class GrammarCache:
         # Our DFA engine: strings without maxLength stay uncapped (json_schema's docstring: the cap's DFA states).
         regex = spec if kind == "regex" else build_regex_from_schema(spec, self.whitespace, max_string_length=None)
         dfa, index = self.index_cache.get(regex)
-        return CompiledGrammar(kind, spec, regex, dfa, index, self.vocab, self.eos_token_ids)
+        return CompiledGrammar(kind, spec, regex, dfa, index, self.vocab, self.eos_token_ids,
+                               native_masks=self.native_masks)
 
     @property
     def stats(self) -> dict:

@@ -116,7 +116,8 @@ def regex_to_lark_grammar(regex: str) -> str:
 class LLGuidanceCompiler:
     """Builds llguidance's tokenizer once per scheduler (~1 s) and compiles grammars against it."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, mask_threads: int = 1, cpu_rows: bool = True):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, mask_threads: int = 1, cpu_rows: bool = True,
+                 native_masks: bool = True):
         if not llguidance_available():
             raise ValueError("ebnf grammars need the llguidance package (pip install llguidance==1.5.0)")
         import llguidance.hf  # optional dependency (the ebnf extra)
@@ -140,7 +141,8 @@ class LLGuidanceCompiler:
         eos_only = np.zeros(-(-self.vocab_size // 32) * 32, dtype=bool)
         eos_only[[e for e in self.eos_token_ids if 0 <= e < self.vocab_size]] = True
         self._eos_words = np.packbits(eos_only, bitorder="little")
-        self.mask_row = mask_row_kernel()  # None: no C kernel here, CPU rows are masked through numpy
+        # None: no C kernel here (or the native CPU kernels are off), CPU rows are masked through numpy.
+        self.mask_row = mask_row_kernel() if native_masks else None
 
     def compile(self, spec: str) -> "LLGuidanceGrammar":
         """An ``ebnf`` (GBNF or Lark) grammar."""
