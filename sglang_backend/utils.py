@@ -107,6 +107,14 @@ def pdeathsig_preexec(ignore_sigint: bool = False) -> Callable[[], None] | None:
     return preexec
 
 
+def to_device_async(t, device):
+    """Host tensor -> ``device``; to a GPU through pinned memory without blocking, so the copy does not wait for the
+    work already queued on the stream. Elsewhere a plain ``.to``."""
+    if not str(device).startswith("cuda"):
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def release_freed_memory() -> None:
     """Hands freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere). Python frees a failed
     large computation's objects, but glibc keeps the pages: without this a grammar that hit its budget left

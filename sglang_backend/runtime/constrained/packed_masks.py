@@ -11,14 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...utils import to_device_async
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}  # per device: the 8 bit positions of a byte
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """One host -> device copy that does not wait for the device (pinned source) where the device is a GPU."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 def apply_packed_masks(logits: torch.Tensor, rows: list[int], packed: list[np.ndarray], vocab_size: int) -> None:
@@ -31,7 +26,7 @@ def apply_packed_masks(logits: torch.Tensor, rows: list[int], packed: list[np.nd
     host = np.zeros((len(rows), max(len(p) for p in packed)), dtype=np.uint8)  # rows may differ by spare words
     for k, p in enumerate(packed):
         host[k, :len(p)] = p
-    bits = _to_device(torch.from_numpy(host), device)  # [n, bytes]
+    bits = to_device_async(torch.from_numpy(host), device)  # [n, bytes]
     shifts = _SHIFTS.get(device)
     if shifts is None:
         shifts = _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
@@ -39,7 +34,7 @@ def apply_packed_masks(logits: torch.Tensor, rows: list[int], packed: list[np.nd
     width = logits.shape[-1]
     n = min(width, vocab_size, allowed.shape[1])
     whole = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
-    index = None if whole else _to_device(torch.tensor(rows, dtype=torch.int64), device)
+    index = None if whole else to_device_async(torch.tensor(rows, dtype=torch.int64), device)
     sub = logits if whole else logits.index_select(0, index)
     sub[:, :n].masked_fill_(allowed[:, :n] == 0, float("-inf"))
     if width > n:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...utils import to_device_async
 from ..layers.sampler import SamplingBatchInfo
 from ..model_executor.forward_batch import ForwardBatch, ForwardMode, cascade_worthwhile
 from .schedule_batch import Req
@@ -44,13 +45,6 @@ class InflightDecode:
     next_ids: torch.Tensor  # [bs] on the device: the next step's input
     host: torch.Tensor  # [2, bs] pinned: next ids and "logits were finite", copied without blocking
     ready: torch.cuda.Event | None  # None on the CPU (tests), where nothing runs ahead
-
-
-def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
-    """Host -> GPU copy that does not wait for the work already queued on the stream (pinned source)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class OverlapDecoder:

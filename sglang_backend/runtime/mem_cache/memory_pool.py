@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ...utils import to_device_async
+
 
 class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: str = "cpu"):
@@ -99,10 +101,7 @@ class MirroredReqToTokenPool(ReqToTokenPool):
             cols = starts.repeat_interleave(lens) + torch.arange(int(lens.sum())) - offsets.repeat_interleave(lens)
         vals = self.req_to_token[rows, cols]
         packed = torch.stack([rows, cols, vals])
-        if self.device_table.is_cuda:  # pinned + non_blocking: the copy does not wait for queued GPU work
-            packed = packed.pin_memory().to(self.device_table.device, non_blocking=True)
-        else:
-            packed = packed.to(self.device_table.device)
+        packed = to_device_async(packed, self.device_table.device)  # does not wait for queued GPU work
         self.device_table[packed[0], packed[1]] = packed[2]
 
 
