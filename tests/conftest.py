@@ -224,19 +224,24 @@ def tiny_gqa_dir(tmp_path_factory) -> str:
     return _tiny_dir(tmp_path_factory, "tiny_gqa", num_attention_heads=4, num_key_value_heads=2)
 
 
-# Which GGUF block type tiny_quantized_dir gives each weight (None: stays float32). Layer 1's q and k differ,
-# so its fused qkv cannot keep blocks and is dequantized at load: both paths in one model.
-def _tiny_block_type(name: str) -> str | None:
-    if name.endswith("norm.weight"):
-        return None
-    if ".layers.1.self_attn.k_proj" in name:
-        return "Q8_0"
-    for part, gguf_type in (("q_proj", "Q4_1"), ("k_proj", "Q4_1"), ("v_proj", "Q4_1"), ("o_proj", "Q4_0"),
-                            ("gate_proj", "Q8_0"), ("up_proj", "Q8_0"), ("down_proj", "Q4_1"),
-                            ("embed_tokens", "Q8_0"), ("lm_head", "Q4_0")):
-        if part in name:
-            return gguf_type
-    return None
+def block_types(table) -> Callable[[str], str | None]:
+    """A ``block_type`` for _quantized_dir: the GGUF type of the first (part, type) of ``table`` whose part is in the
+    weight's name; norms, and names no part matches, stay float32 (None)."""
+
+    def block_type(name: str) -> str | None:
+        if name.endswith("norm.weight"):
+            return None
+        return next((gguf_type for part, gguf_type in table if part in name), None)
+
+    return block_type
+
+
+# Which GGUF block type tiny_quantized_dir gives each weight. Layer 1's q and k differ, so its fused qkv cannot keep
+# blocks and is dequantized at load: both paths in one model.
+_tiny_block_type = block_types(((".layers.1.self_attn.k_proj", "Q8_0"),
+                                ("q_proj", "Q4_1"), ("k_proj", "Q4_1"), ("v_proj", "Q4_1"), ("o_proj", "Q4_0"),
+                                ("gate_proj", "Q8_0"), ("up_proj", "Q8_0"), ("down_proj", "Q4_1"),
+                                ("embed_tokens", "Q8_0"), ("lm_head", "Q4_0")))
 
 
 @pytest.fixture(scope="session")
@@ -254,10 +259,7 @@ _TINY_KQUANT_TYPES = ((".layers.1.self_attn.q_proj", "Q5_0"), (".layers.1.self_a
                       ("embed_tokens", "Q5_1"), ("lm_head", "Q6_K"))
 
 
-def _tiny_kquant_type(name: str) -> str | None:
-    if name.endswith("norm.weight"):
-        return None
-    return next((gguf_type for part, gguf_type in _TINY_KQUANT_TYPES if part in name), None)
+_tiny_kquant_type = block_types(_TINY_KQUANT_TYPES)
 
 
 @pytest.fixture(scope="session")

@@ -32,29 +32,28 @@ class Tally:
     output_tokens: int = 0
     well_formed: bool = True
 
-    def generate(self, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
-        outs = self.client.generate(prompts, max_tokens)
+    def _count_call(self, prompts: list[list[int]]) -> None:
         self.calls += 1
         self.requests += len(prompts)
         self.prompt_tokens += sum(map(len, prompts))
+
+    def generate(self, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
+        outs = self.client.generate(prompts, max_tokens)
+        self._count_call(prompts)
         self.output_tokens += sum(map(len, outs))
         self.well_formed = self.well_formed and outputs_ok(outs, len(prompts), max_tokens, self.vocab)
         return outs
 
     def generate_regex(self, prompts: list[list[int]], regex: str, max_tokens: int) -> list[str]:
         outs = self.client.generate_regex(prompts, regex, max_tokens)
-        self.calls += 1
-        self.requests += len(prompts)
-        self.prompt_tokens += sum(map(len, prompts))
+        self._count_call(prompts)
         self.output_tokens += sum(o.tokens for o in outs)
         self.well_formed = self.well_formed and regex_outputs_ok(outs, len(prompts), regex)
         return [o.text for o in outs]
 
     def prompt_logprobs(self, prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
         values = self.client.prompt_logprobs(prompts, starts)
-        self.calls += 1
-        self.requests += len(prompts)
-        self.prompt_tokens += sum(map(len, prompts))
+        self._count_call(prompts)
         self.well_formed = self.well_formed and logprobs_ok(values, prompts, starts)
         return values
 

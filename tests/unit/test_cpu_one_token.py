@@ -13,7 +13,7 @@ from sglang_backend.runtime.layers import gguf_quant
 from sglang_backend.runtime.layers.kernel_options import KernelOptions
 from sglang_backend.runtime.layers.layernorm import RMSNorm
 from sglang_backend.runtime.models.llama import LlamaModel
-from tests.conftest import _quantized_dir, make_engine
+from tests.conftest import _quantized_dir, block_types, make_engine
 
 needs_kernels = pytest.mark.skipif(not gguf_quant.kernels_available(), reason="native kernels do not build here")
 NATIVE = KernelOptions(native_cpu=True)
@@ -77,17 +77,11 @@ def test_one_token_path_equals_layer_by_layer(tiny_quantized_dir, monkeypatch):
         assert abs(x - y) < 1e-5
 
 
-def _all_blocks_type(name: str) -> str | None:
-    """Every linear of every layer as blocks of a format with an 8-bit-activation kernel (the embedding, the norms and
-    the LM head as in tiny_quantized_dir's mix)."""
-    if name.endswith("norm.weight"):
-        return None
-    for part, gguf_type in (("q_proj", "Q4_1"), ("k_proj", "Q4_1"), ("v_proj", "Q4_1"), ("o_proj", "Q4_0"),
-                            ("gate_proj", "Q8_0"), ("up_proj", "Q8_0"), ("down_proj", "Q5_1"),
-                            ("embed_tokens", "Q8_0"), ("lm_head", "Q4_0")):
-        if part in name:
-            return gguf_type
-    return None
+# Every linear of every layer as blocks of a format with an 8-bit-activation kernel (the embedding, the norms and the
+# LM head as in tiny_quantized_dir's mix).
+_all_blocks_type = block_types((("q_proj", "Q4_1"), ("k_proj", "Q4_1"), ("v_proj", "Q4_1"), ("o_proj", "Q4_0"),
+                                ("gate_proj", "Q8_0"), ("up_proj", "Q8_0"), ("down_proj", "Q5_1"),
+                                ("embed_tokens", "Q8_0"), ("lm_head", "Q4_0")))
 
 
 @pytest.fixture(scope="module")
