@@ -17,8 +17,8 @@ when the grammar is built, ``step_fuel`` per token mask, ``max_states`` lexer st
 The scheduler drives a matcher exactly like ``GrammarMatcher``: ``fill_mask`` before sampling, ``advance``
 after, ``is_finished`` to end, ``forced_string`` + ``advance_text`` for jump-forward (llguidance's
 ``compute_ff_bytes`` is the forced text; re-tokenization stays ``grammar.retokenize_jump_forward``'s).
-Masks are computed off the critical path: each transition starts the next mask on one background thread
-(``_MaskThreads``, several where set; llguidance drops the GIL while it walks the token trie), overlapping the model's forward as
+Masks are computed off the critical path: each transition starts the next mask on background threads
+(``_MaskThreads``; llguidance drops the GIL while it walks the token trie), overlapping the model's forward as
 upstream SGLang does, and ``fill_mask`` only writes -inf into the logits row where the mask forbids: on a CPU
 float32 row one C call reads llguidance's packed bits (``mask_row``), elsewhere a 0/-inf row is added, cached by
 the mask's bytes (masks repeat: every step inside a string has the same one). ``benchmarks/bench_grammar.py``
@@ -421,7 +421,7 @@ class LLGuidanceMatcher:
     def packed_mask(self) -> np.ndarray:
         """This step's mask as packed bits (uint8, little-endian bit order; EOS ids added where the grammar may
         end): what ``packed_masks.apply_packed_masks`` applies to a batch of rows on an accelerator."""
-        return self.grammar.compiler._packed(self._step_mask().key)
+        return np.frombuffer(self._step_mask().bits, dtype=np.uint8)
 
     def allowed_mask(self, device=None) -> torch.Tensor:
         """Boolean [vocab_size]: True where the token is allowed."""
@@ -445,7 +445,7 @@ class LLGuidanceMatcher:
                 row = logits_row.numpy()
             except (TypeError, RuntimeError):  # a dtype numpy lacks (bf16), or a row that requires grad: below
                 row = None
-            if row is not None and row.shape == self._row_shape and step.bias is not None:
+            if row is not None and row.shape == self._row_shape:
                 step.apply(row)
                 return
         step = self._step_mask()
