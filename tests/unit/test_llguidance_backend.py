@@ -142,6 +142,35 @@ def test_masks_computed_on_the_mask_thread_equal_masks_computed_in_fill_mask(cac
         slow.advance(tok)
 
 
+def test_matchers_spread_over_mask_lanes_each_a_copy_of_its_lanes_prototype(smollm_dir):
+    """With several mask threads, matchers go round robin over the lanes, each a copy of its own lane's prototype
+    (copies of one prototype share its lexer behind a lock and would take turns); forks stay on their lane, and
+    every lane's masks equal the one-thread masks."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from sglang_backend.runtime.constrained.llguidance_backend import LLGuidanceCompiler
+
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    regex = r'\{"name": "[A-Za-z ]{1,16}"\}'
+    one = LLGuidanceCompiler(tok, len(tok), [tok.eos_token_id], mask_threads=1).compile_regex("regex", regex, regex)
+    three = LLGuidanceCompiler(tok, len(tok), [tok.eos_token_id], mask_threads=3).compile_regex("regex", regex, regex)
+    matchers = [three.matcher() for _ in range(6)]
+    assert sorted(m.lane for m in matchers) == [0, 0, 1, 1, 2, 2]
+    assert all(p is not None for p in three._prototypes) and len({id(p) for p in three._prototypes}) == 3
+    assert matchers[4].copy().lane == matchers[4].lane
+    ref = one.matcher()
+    for t in tok.encode('{"name": "Par', add_special_tokens=False):
+        ref.advance(t)
+        for m in matchers:
+            m.advance(t)
+        want = ref.allowed_token_ids()
+        assert all(m.allowed_token_ids() == want for m in matchers)
+    names = {t.name for t in threading.enumerate()}
+    assert {"llguidance-mask-0", "llguidance-mask-1", "llguidance-mask-2"} <= names
+
+
 def test_a_budget_error_on_the_mask_thread_is_raised_by_fill_mask(cache, monkeypatch):
     import torch
 

@@ -30,6 +30,7 @@ optional: without it regex and JSON schemas stay on our engine and an ``ebnf`` r
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import queue
 import re
@@ -127,6 +128,7 @@ class LLGuidanceCompiler:
         self.primary_eos = int(eos) if eos is not None else min(self.eos_token_ids)
         self.vocab_size = int(vocab_size)
         self.mask_threads = max(1, int(mask_threads))  # threads computing its matchers' next masks (_MaskThreads)
+        self.lanes = itertools.count()  # the next matcher's mask lane (modulo mask_threads)
         # Whether the mask threads also build each mask's CPU row and sparse ids (a CPU scheduler's fill_mask uses
         # them); a GPU scheduler applies packed bits (packed_masks) and skips that work, which holds the GIL.
         self.cpu_rows = cpu_rows
@@ -251,8 +253,11 @@ _BYTE_TO_BIASES = torch.from_numpy(
 class LLGuidanceGrammar:
     """A validated grammar (read-only, shareable); ``matcher()`` starts a parse per request.
 
-    Matchers are copies of one prototype built here: a copy costs ~10 us where building a matcher costs
-    milliseconds, and the copies share the lazily built lexer states, so later requests find them built."""
+    Matchers are copies of a prototype: a copy costs ~10 us where building a matcher costs milliseconds, and
+    the copies share the prototype's lazily built lexer states, so later requests find them built. That sharing
+    is behind a lock: two copies of one prototype computing masks at once take turns (64 copies on 2 threads
+    took as long as on 1). So there is one prototype per mask lane (``_MaskThreads``), built when the lane is
+    first used, and a matcher's masks are computed only on its own lane's thread."""
 
     def __init__(self, spec: str, grammar: str, compiler: LLGuidanceCompiler, kind: str = "ebnf", limits=None,
                  error_prefix: str = "invalid ebnf grammar: "):
@@ -267,14 +272,24 @@ class LLGuidanceGrammar:
         self.vocab_size = compiler.vocab_size
         self.eos_token_ids = compiler.eos_token_ids
         self.prefetch = True  # matchers compute each next mask on the mask thread (LLGuidanceMatcher)
-        self._prototype = llguidance.LLMatcher(compiler.ll_tokenizer, grammar, log_level=0, limits=limits)
-        if self._prototype.is_error():  # e.g. the lexer fuel ran out: before decoding, a clear error
-            raise _grammar_error(self._prototype.get_error(), error_prefix)
+        prototype = self._new_prototype()
+        if prototype.is_error():  # e.g. the lexer fuel ran out: before decoding, a clear error
+            raise _grammar_error(prototype.get_error(), error_prefix)
+        self._prototypes = [prototype] + [None] * (compiler.mask_threads - 1)  # one per mask lane, built on use
         self._lock = threading.Lock()
 
+    def _new_prototype(self):
+        import llguidance  # optional dependency: only reached once llguidance_available()
+
+        return llguidance.LLMatcher(self.compiler.ll_tokenizer, self.grammar, log_level=0, limits=self.limits)
+
     def matcher(self) -> "LLGuidanceMatcher":
+        lane = next(self.compiler.lanes) % len(self._prototypes)  # round robin over the lanes, across grammars
         with self._lock:
-            return LLGuidanceMatcher(self, self._prototype.deep_copy())
+            prototype = self._prototypes[lane]
+            if prototype is None:
+                prototype = self._prototypes[lane] = self._new_prototype()
+            return LLGuidanceMatcher(self, prototype.deep_copy(), lane)
 
 
 class _StepMask:
@@ -310,24 +325,26 @@ class _StepMask:
 
 
 class _MaskThreads:
-    """Daemon threads computing matchers' next masks from one queue, in submission order; several of them compute
-    a batch's masks in parallel (llguidance drops the GIL; each matcher is touched by one thread at a time). A
-    matcher's ``_busy`` lock is held from ``submit`` until its mask (or the error computing it) is in ``_next``:
-    waiting is acquiring it (a plain lock and a C queue: a few microseconds on the submitting side, where an
-    executor's futures cost ~20)."""
+    """Daemon threads computing matchers' next masks, one thread and one queue per lane, in submission order; the
+    lanes compute a batch's masks in parallel (llguidance drops the GIL; each matcher is touched by one thread at
+    a time) and a matcher always goes to its own lane's thread, so copies of one prototype never wait for each
+    other's lexer (``LLGuidanceGrammar``). A matcher's ``_busy`` lock is held from ``submit`` until its mask (or
+    the error computing it) is in ``_next``: waiting is acquiring it (a plain lock and a C queue: a few
+    microseconds on the submitting side, where an executor's futures cost ~20)."""
 
     def __init__(self, threads: int = 1):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        for i in range(threads):
-            threading.Thread(target=self._run, name=f"llguidance-mask-{i}", daemon=True).start()
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(threads)]
+        for i, lane in enumerate(self._queues):
+            threading.Thread(target=self._run, args=(lane,), name=f"llguidance-mask-{i}", daemon=True).start()
 
     def submit(self, matcher: "LLGuidanceMatcher") -> None:
         matcher._busy.acquire()
-        self._queue.put(matcher)
+        self._queues[matcher.lane % len(self._queues)].put(matcher)
 
-    def _run(self) -> None:
+    @staticmethod
+    def _run(lane: queue.SimpleQueue) -> None:
         while True:
-            matcher = self._queue.get()
+            matcher = lane.get()
             try:
                 matcher._next = matcher._compute_step_mask()
             except BaseException as e:  # noqa: BLE001 - handed to fill_mask, which raises it in the scheduler
@@ -357,12 +374,13 @@ class LLGuidanceMatcher:
     The llguidance matcher is touched by one thread at a time: everything that reads it waits for the pending
     mask first. ``grammar.prefetch = False`` computes the mask inside ``fill_mask`` instead."""
 
-    __slots__ = ("grammar", "matcher", "terminated", "num_tokens", "_busy", "_next", "_stopped", "_accepting", "_ff",
-                 "_row_shape", "_mask_row")
+    __slots__ = ("grammar", "matcher", "lane", "terminated", "num_tokens", "_busy", "_next", "_stopped", "_accepting",
+                 "_ff", "_row_shape", "_mask_row")
 
-    def __init__(self, grammar: LLGuidanceGrammar, matcher):
+    def __init__(self, grammar: LLGuidanceGrammar, matcher, lane: int = 0):
         self.grammar = grammar
         self.matcher = matcher
+        self.lane = lane  # its mask thread (a copy of that lane's prototype: LLGuidanceGrammar)
         self.terminated = False
         self.num_tokens = 0
         self._busy = threading.Lock()  # held while the mask thread computes this matcher's next mask
@@ -518,7 +536,7 @@ class LLGuidanceMatcher:
         """A fork in the same state; it shares this step's mask (read-only)."""
         self._sync()
         m = LLGuidanceMatcher.__new__(LLGuidanceMatcher)
-        m.grammar, m.matcher, m._busy = self.grammar, self.matcher.deep_copy(), threading.Lock()
+        m.grammar, m.matcher, m.lane, m._busy = self.grammar, self.matcher.deep_copy(), self.lane, threading.Lock()
         m.terminated, m.num_tokens, m._row_shape = self.terminated, self.num_tokens, self._row_shape
         m._mask_row = self._mask_row
         m._next, m._stopped, m._accepting, m._ff = self._next, self._stopped, self._accepting, self._ff
