@@ -121,7 +121,8 @@ def markdown(result: dict) -> str:
                       f"of {check.get('prompts', '?')} prompts): {detail}"]
     if meta.get("note"):  # how a merged table was put together
         lines += ["", f"Note: {meta['note']}"]
-    lines += ["", "Not covered yet: " + "; ".join(f"{k} ({v})" for k, v in NOT_COVERED.items())]
+    if NOT_COVERED:
+        lines += ["", "Not covered yet: " + "; ".join(f"{k} ({v})" for k, v in NOT_COVERED.items())]
     errors = result.get("errors") or {}
     if errors:
         lines += ["", "Errors (tracebacks in the JSON):"]

@@ -212,6 +212,20 @@ def test_json_decoding_is_one_constrained_call_behind_one_header():
     assert result["output_tokens"] == 64 * 21 and result["well_formed"] is True
 
 
+def test_dspy_rag_is_one_call_behind_the_system_message_and_demos():
+    """DSPy's ChatAdapter layout: every prompt starts with the same system message + 4 demo turns (~2k tokens),
+    then its own 3 retrieved passages (from one 200-passage corpus) and question; 96 tokens out, one call."""
+    client, result = run_program("dspy_rag")
+    (prompts, max_tokens), = generate_calls(client)
+    assert len(prompts) == 64 and max_tokens == 96 and result["output_tokens"] == 64 * 96
+    header = len(prompts[0]) - (4 + 8 + 3 * (3 + 120) + 24 + 45 + 4)  # all but the question's own turn
+    assert 1900 < header < 2300 and all(len(p) == len(prompts[0]) for p in prompts)
+    assert all(p[:header] == prompts[0][:header] for p in prompts)
+    assert len({tuple(p[header:]) for p in prompts}) == 64  # each its own passages and question
+    firsts = {tuple(p[header + 15:header + 15 + 120]) for p in prompts}  # the first retrieved passage
+    assert len(firsts) < 64  # some questions share it (a 200-passage corpus)
+
+
 def test_constrained_outputs_must_match_and_be_ended_by_the_grammar():
     regex, ok = programs.JSON_REGEX, '{"name": "A", "country": "B", "landmark": "C", "capital": false}'
     out = workloads.TextOutput
