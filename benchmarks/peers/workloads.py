@@ -49,13 +49,14 @@ class Sizes:
     scale: float = 1.0
     repeats: int = 3  # timed repeats of the decode sections (median)
     prefill_repeats: int = 5  # timed calls of cold_prefill (median)
+    program_repeats: int = 3  # timed passes of shared_prefix and of each LM program (median: one pass is noisy)
 
     def n(self, full: int, minimum: int = 1) -> int:
         return max(minimum, round(full * self.scale))
 
 
 FULL = Sizes()
-SMOKE = Sizes(scale=1 / 32, repeats=1, prefill_repeats=2)
+SMOKE = Sizes(scale=1 / 32, repeats=1, prefill_repeats=2, program_repeats=1)
 
 
 def id_range(vocab: int) -> tuple[int, int]:

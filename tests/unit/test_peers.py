@@ -104,6 +104,22 @@ def test_sections_expand_groups_in_order():
         sections.expand("offline,nope")
 
 
+def test_a_program_section_reports_its_median_pass():
+    """A warm-up pass at a quarter of the size, then program_repeats passes; the median pass is the result and
+    one bad pass makes it not well formed."""
+    passes = iter([dict(seconds=3.0, well_formed=True), dict(seconds=1.0, well_formed=False),
+                   dict(seconds=2.0, well_formed=True)])
+    scales = []
+
+    def fake(client, vocab, scale, seed=0):
+        scales.append((scale, seed))
+        return dict(seconds=9.0, well_formed=True) if seed == 1 else next(passes)
+
+    result = sections.program_section(fake)(None, workloads.Sizes(scale=1.0, program_repeats=3), VOCAB)
+    assert scales == [(0.25, 1), (1.0, 0), (1.0, 0), (1.0, 0)]
+    assert result["seconds"] == 2.0 and result["times_s"] == [3.0, 1.0, 2.0] and result["well_formed"] is False
+
+
 # Programs ------------------------------------------------------------------------------------------------------
 def generate_calls(client):
     return [(prompts, n) for kind, prompts, n in client.calls if kind == "generate"]
