@@ -5,7 +5,7 @@ Operators tune the server with ``ServerArgs`` flags. What is left here is where 
 right channel: locations and conventions shared with other tools (caches, ``HF_HUB_OFFLINE``,
 ``CUDA_VISIBLE_DEVICES``, ``TRITON_INTERPRET``) and switches for tests and debugging (fault injection,
 profiles). GPU kernel choices are ``ServerArgs`` flags (``--gemv-mode``, ``--disable-fused-ops``,
-``--disable-pdl``, ``--attention-merge``, ``--kernel-config``), handed to the kernels as
+``--pdl``, ``--attention-merge``, ``--kernel-config``), handed to the kernels as
 ``layers.kernel_options.KernelOptions``.
 Each variable is read when ``get()`` is called, never cached, so a test can set it for one call.
 """

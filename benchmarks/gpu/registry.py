@@ -59,7 +59,7 @@ SECTIONS: list[Section] = [
     # Ablations, each on its own engine: the synchronous scheduler loop; no programmatic dependent launch (on
     # by default on sm90+); no radix cache.
     Section("no_overlap", _ablation("_no_overlap"), {"disable_overlap_schedule": True}),
-    Section("no_pdl", _ablation("_no_pdl"), {"disable_pdl": True}),
+    Section("no_pdl", _ablation("_no_pdl"), {"pdl": "off"}),
     Section("no_radix", lambda c: engine.bench_shared(c.eng, c.vocab, "shared_prefix_no_radix"),
             {"disable_radix_cache": True}),
 ]

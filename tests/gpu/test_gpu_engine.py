@@ -175,14 +175,14 @@ def test_flashinfer_kv_page_indices():
 def test_batch1_gemv_modes_and_pdl_match_torch_native(peaked_model_dir, dtype):
     """Decode at batch 1 (one request at a time) through cuBLAS, the Triton GEMV, the fused GEMV (norm
     prologue, SiLU-mul / residual epilogues) and the fused GEMV with rotary + KV store, each with and without
-    programmatic dependent launch (--gemv-mode, --disable-pdl)."""
+    programmatic dependent launch (--gemv-mode, --pdl)."""
     prompts = _prompts()[:1]  # a 305-token prompt: 32 decode steps at batch 1
     ref = [_run(peaked_model_dir, dtype, [p], attention_backend="torch_native")[0][0] for p in prompts]
     ref_ids, ref_top = [r[0] for r in ref], [r[1] for r in ref]
     for mode in ("off", "on", "fused", "fused_rope"):
         for use_pdl in (True, False):
             out = [_run(peaked_model_dir, dtype, [p], attention_backend="triton", gemv_mode=mode,
-                        disable_pdl=not use_pdl)[0][0][0] for p in prompts]
+                        pdl="on" if use_pdl else "off")[0][0][0] for p in prompts]
             _same_greedy(ref_ids, ref_top, out, dtype, f"batch 1, gemv {mode}, pdl {use_pdl}")
     # Stage-2 merge kernel instead of the merge folded into stage 1.
     out = [_run(peaked_model_dir, dtype, [p], attention_backend="triton", attention_merge="stage2")[0][0][0]

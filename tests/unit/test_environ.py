@@ -78,4 +78,4 @@ def test_kernel_choices_are_server_args_not_environment():
     for gone in ("GEMV", "PDL", "FUSED_MERGE", "DISABLE_FUSED_OPS"):
         assert f"SGLANG_BACKEND_{gone}" not in environ.REGISTRY and not hasattr(environ, gone)
     fields = set(ServerArgs.__dataclass_fields__)
-    assert {"gemv_mode", "disable_fused_ops", "disable_pdl", "attention_merge", "kernel_config"} <= fields
+    assert {"gemv_mode", "disable_fused_ops", "pdl", "attention_merge", "kernel_config"} <= fields

@@ -26,9 +26,8 @@ def test_flags_are_generated_and_validated():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = ServerArgs.from_cli_args(parser.parse_args(
-        ["--gemv-mode", "fused", "--disable-pdl", "--attention-merge", "stage2", "--kernel-config", "k.json"]))
-    assert (args.gemv_mode, args.disable_pdl, args.attention_merge, args.kernel_config) == \
-        ("fused", True, "stage2", "k.json")
+        ["--gemv-mode", "fused", "--pdl", "off", "--attention-merge", "stage2", "--kernel-config", "k.json"]))
+    assert (args.gemv_mode, args.pdl, args.attention_merge, args.kernel_config) == ("fused", "off", "stage2", "k.json")
     assert not args.disable_fused_ops
     with pytest.raises(SystemExit):
         parser.parse_args(["--gemv-mode", "sometimes"])
@@ -36,6 +35,8 @@ def test_flags_are_generated_and_validated():
         ServerArgs(gemv_mode="sometimes")
     with pytest.raises(ValueError, match="attention_merge"):
         ServerArgs(attention_merge="later")
+    with pytest.raises(ValueError, match="pdl"):
+        ServerArgs(pdl="sometimes")
     with pytest.raises(ValueError, match="disable_fused_ops"):
         ServerArgs(gemv_mode="fused", disable_fused_ops=True)
     with pytest.raises(ValueError, match="resolved"):
@@ -82,3 +83,15 @@ def test_gemv_needs_the_fused_kernels():
     assert not KernelOptions(fused_ops=True, gemv_mode="on").fused_gemv
     with pytest.raises(ValueError, match="needs fused_ops"):
         KernelOptions(gemv_mode="on")
+
+
+def test_auto_merge_follows_the_attention_shape_and_explicit_choices_win():
+    """``attention_merge auto``: the stage-2 merge kernel for grouped-query models, the merge folded into stage 1
+    otherwise; an explicit choice is kept whatever the model (PDL is off on the CPU either way)."""
+    assert KernelOptions.resolve(ServerArgs(), "cpu", grouped_query=True).attention_merge == "stage2"
+    assert KernelOptions.resolve(ServerArgs(), "cpu", grouped_query=False).attention_merge == "fused"
+    assert KernelOptions.resolve(ServerArgs(attention_merge="fused"), "cpu", True).attention_merge == "fused"
+    assert KernelOptions.resolve(ServerArgs(attention_merge="stage2"), "cpu", False).attention_merge == "stage2"
+    assert not KernelOptions.resolve(ServerArgs(pdl="on"), "cpu", False).pdl
+    with pytest.raises(ValueError, match="attention_merge"):
+        KernelOptions(attention_merge="auto")  # resolved options never say auto

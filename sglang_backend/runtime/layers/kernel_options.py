@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..server_args import ATTENTION_MERGES, CPU_ACTIVATION_QUANTS, GEMV_MODES
+from ..server_args import CPU_ACTIVATION_QUANTS, GEMV_MODES
 from . import native
 CONFIG_DIR = pathlib.Path(__file__).parent / "attention" / "triton_ops" / "configs"
 
@@ -143,8 +143,8 @@ class KernelOptions:
     def __post_init__(self):
         if self.gemv_mode not in GEMV_MODES[1:]:
             raise ValueError(f"gemv_mode must be one of {GEMV_MODES[1:]} once resolved, got {self.gemv_mode!r}")
-        if self.attention_merge not in ATTENTION_MERGES:
-            raise ValueError(f"attention_merge must be one of {ATTENTION_MERGES}, got {self.attention_merge!r}")
+        if self.attention_merge not in ("fused", "stage2"):  # resolved: never "auto"
+            raise ValueError(f"attention_merge must be fused or stage2, got {self.attention_merge!r}")
         if self.cpu_activation_quant not in CPU_ACTIVATION_QUANTS:
             raise ValueError(f"cpu_activation_quant must be one of {CPU_ACTIVATION_QUANTS}, "
                              f"got {self.cpu_activation_quant!r}")
@@ -173,11 +173,12 @@ class KernelOptions:
         return self.gemv_mode != "off" and x.shape[0] == 1
 
     @classmethod
-    def resolve(cls, server_args, device) -> "KernelOptions":
-        """From ``ServerArgs`` (gemv_mode, disable_fused_ops, disable_pdl, attention_merge, kernel_config,
-        disable_native_cpu_kernels, cpu_activation_quant) and the device: the Triton kernels off on the CPU or
-        without triton, the C kernels on on the CPU when they build (and 8-bit activations with them when asked);
-        ``auto`` GEMV mode by compute capability."""
+    def resolve(cls, server_args, device, grouped_query: bool = False) -> "KernelOptions":
+        """From ``ServerArgs`` (gemv_mode, disable_fused_ops, pdl, attention_merge, kernel_config,
+        disable_native_cpu_kernels, cpu_activation_quant), the device and the model (``grouped_query``: fewer KV
+        heads than query heads): the Triton kernels off on the CPU or without triton, the C kernels on on the CPU
+        when they build (and 8-bit activations with them when asked); ``auto`` GEMV mode by compute capability,
+        ``auto`` PDL and merge by the attention's shape (ServerArgs' help gives the measurements)."""
         dev = torch.device(device)
         on_gpu = dev.type == "cuda" and HAVE_TRITON
         fused = on_gpu and not server_args.disable_fused_ops
@@ -189,8 +190,9 @@ class KernelOptions:
         native_cpu = dev.type == "cpu" and not server_args.disable_native_cpu_kernels and native.kernels() is not None
         return cls(fused_ops=fused, native_cpu=native_cpu,
                    cpu_activation_quant=server_args.cpu_activation_quant if native_cpu else "none", gemv_mode=mode,
-                   pdl=on_gpu and not server_args.disable_pdl,
-                   attention_merge=server_args.attention_merge,
+                   pdl=on_gpu and (server_args.pdl == "on" or server_args.pdl == "auto" and not grouped_query),
+                   attention_merge=(server_args.attention_merge if server_args.attention_merge != "auto"
+                                    else "stage2" if grouped_query else "fused"),
                    configs=load_kernel_configs(dev, server_args.kernel_config) if on_gpu else KernelConfigs())
 
 

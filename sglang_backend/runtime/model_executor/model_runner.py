@@ -62,7 +62,9 @@ class ModelRunner:
             self._init_tensor_parallel()
         self.context_len = server_args.context_length or int(getattr(self.text_config, "max_position_embeddings", 2048))
         self.vocab_size = self.text_config.vocab_size
-        self.kernel_options = KernelOptions.resolve(server_args, self.device)  # the kernels the layers run
+        heads = self.text_config.num_attention_heads
+        grouped_query = (getattr(self.text_config, "num_key_value_heads", None) or heads) < heads
+        self.kernel_options = KernelOptions.resolve(server_args, self.device, grouped_query)  # the layers' kernels
         try:
             self._load_model(model_dir)
             self._init_memory_pools()
