@@ -84,13 +84,15 @@ def time_decode_variant(mr, mb: dict, bw, variant: tuple, res: dict):
     free_requests(mr, rows, slots)
 
 
-def pick_headline(res: dict, base, default_mode: str, default_pdl: bool):
-    """"decode_bs1"/"decode_bs64": the variant of the engine's resolved options (the fastest when the default is
-    outside the measured variants, say --gemv-mode on), with the fastest variant's name beside it."""
+def pick_headline(res: dict, base, default_mode: str, pdl_supported: bool):
+    """"decode_bs1"/"decode_bs64": the variant of the engine's resolved options at that batch size
+    (``KernelOptions.for_tokens``; the fastest when the default is outside the measured variants, say --gemv-mode
+    on), with the fastest variant's name beside it."""
     for bs in (1, 64):
+        opts = base.for_tokens(bs)
         best = min((k for k in res if k.startswith(f"decode_bs{bs}_")), key=lambda k: res[k]["step_s"])
-        key = (f"decode_bs{bs}_{default_mode if bs == 1 else 'off'}_{'pdl' if default_pdl else 'nopdl'}"
-               + ("" if base.attention_merge == "fused" else "_stage2"))
+        key = (f"decode_bs{bs}_{default_mode if bs == 1 else 'off'}_{'pdl' if opts.pdl and pdl_supported else 'nopdl'}"
+               + ("" if opts.attention_merge == "fused" else "_stage2"))
         if key not in res:
             key = best
         res[f"decode_bs{bs}"] = dict(res[key], variant=key, fastest_variant=best)
@@ -143,15 +145,18 @@ def bench_runner(eng, mb: dict, name: str):
     for variant in runner_variants(base):
         _, gemv_mode, use_pdl, fused_merge = variant
         gc.collect()
-        mr.set_kernel_options(dataclasses.replace(base, gemv_mode=gemv_mode, pdl=use_pdl,
+        mr.set_kernel_options(dataclasses.replace(base, gemv_mode=gemv_mode, pdl=use_pdl, one_token_pdl=None,
+                                                  one_token_merge=None,
                                                   attention_merge="fused" if fused_merge else "stage2"))
         time_decode_variant(mr, mb, bw, variant, res)
     default_mode = base.gemv_mode
-    default_pdl = base.pdl and pdl.supported(torch.empty(0, device="cuda"))
-    pick_headline(res, base, default_mode, default_pdl)
+    pdl_supported = pdl.supported(torch.empty(0, device="cuda"))
+    pick_headline(res, base, default_mode, pdl_supported)
     gc.collect()
     mr.set_kernel_options(base)
-    log(f"configured for the following sections: batch-1 linears {default_mode}, PDL {default_pdl}")
+    one = base.for_tokens(1)
+    log(f"configured for the following sections: batch-1 linears {default_mode}, PDL {one.pdl and pdl_supported} "
+        f"at batch 1 and {base.pdl and pdl_supported} above, merge {one.attention_merge} / {base.attention_merge}")
     time_prefill(mr, mb, mm_rate, res)
     eng.flush_cache()
     RESULT.setdefault("ours", {}).update(res)

@@ -85,13 +85,25 @@ def test_gemv_needs_the_fused_kernels():
         KernelOptions(gemv_mode="on")
 
 
-def test_auto_merge_follows_the_attention_shape_and_explicit_choices_win():
-    """``attention_merge auto``: the stage-2 merge kernel for grouped-query models, the merge folded into stage 1
-    otherwise; an explicit choice is kept whatever the model (PDL is off on the CPU either way)."""
-    assert KernelOptions.resolve(ServerArgs(), "cpu", grouped_query=True).attention_merge == "stage2"
-    assert KernelOptions.resolve(ServerArgs(), "cpu", grouped_query=False).attention_merge == "fused"
-    assert KernelOptions.resolve(ServerArgs(attention_merge="fused"), "cpu", True).attention_merge == "fused"
-    assert KernelOptions.resolve(ServerArgs(attention_merge="stage2"), "cpu", False).attention_merge == "stage2"
-    assert not KernelOptions.resolve(ServerArgs(pdl="on"), "cpu", False).pdl
+def test_auto_merge_and_pdl_differ_for_one_token_batches_of_gqa_models():
+    """``auto``: a GQA model's one-token batches use the stage-2 merge kernel and no PDL, larger batches the merge
+    folded into stage 1 (and PDL on a GPU); MHA models use the latter throughout; explicit choices hold for every
+    batch; kernel variants made with dataclasses.replace keep the one-token rule."""
+    import dataclasses
+
+    gqa = KernelOptions.resolve(ServerArgs(), "cpu", grouped_query=True)
+    assert gqa.attention_merge == "fused" and gqa.for_tokens(64) is gqa
+    one = gqa.for_tokens(1)
+    assert one.attention_merge == "stage2" and not one.pdl and one.for_tokens(1) is one
+    mha = KernelOptions.resolve(ServerArgs(), "cpu", grouped_query=False)
+    assert mha.for_tokens(1) is mha and mha.attention_merge == "fused"
+    fixed = KernelOptions.resolve(ServerArgs(attention_merge="fused"), "cpu", True)
+    assert fixed.for_tokens(1).attention_merge == "fused"
+    staged = KernelOptions.resolve(ServerArgs(attention_merge="stage2"), "cpu", False)
+    assert staged.for_tokens(1).attention_merge == staged.for_tokens(8).attention_merge == "stage2"
+    variant = dataclasses.replace(gqa, gemv_mode="off")
+    assert variant.for_tokens(1).attention_merge == "stage2" and variant.for_tokens(1).gemv_mode == "off"
     with pytest.raises(ValueError, match="attention_merge"):
         KernelOptions(attention_merge="auto")  # resolved options never say auto
+    with pytest.raises(ValueError, match="attention_merge"):
+        KernelOptions(one_token_merge="auto")

@@ -68,7 +68,7 @@ class CudaGraphRunner:
         fb.req_to_token_pool = self.mr.req_to_token_pool
         fb.token_to_kv_pool = self.mr.token_to_kv_pool
         fb.attn_backend = self.mr.attn_backend
-        fb.kernel_options = self.mr.kernel_options
+        fb.kernel_options = self.mr.kernel_options.for_tokens(bs)
         return fb
 
     @torch.inference_mode()

@@ -277,12 +277,12 @@ class ModelRunner:
     def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb.input_ids, fb.positions, fb)
 
-    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden, self.kernel_options)
+    def _compute_logits(self, hidden: torch.Tensor, options: KernelOptions) -> torch.Tensor:
+        return self.model.compute_logits(hidden, options)
 
     def _logits_all_rows(self, fb: ForwardBatch) -> torch.Tensor:
         """Decode body captured by the CUDA graph runner: logits of every row, no host work."""
-        return self._compute_logits(self._run_model(fb))
+        return self._compute_logits(self._run_model(fb), fb.kernel_options)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -292,7 +292,7 @@ class ModelRunner:
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
-        fb.kernel_options = self.kernel_options
+        fb.kernel_options = self.kernel_options.for_tokens(fb.input_ids.shape[0])
         sync = getattr(self.req_to_token_pool, "sync_to_device", None)
         if sync is not None:
             sync()
@@ -304,4 +304,4 @@ class ModelRunner:
             fb.pooled_sums = pool_hidden_states(hidden, fb.pool_spans)
         if fb.logits_indices is None or len(fb.logits_indices) == 0:
             return torch.empty(0, self.vocab_size, device=self.device)
-        return self._compute_logits(hidden[fb.logits_indices])
+        return self._compute_logits(hidden[fb.logits_indices], fb.kernel_options)

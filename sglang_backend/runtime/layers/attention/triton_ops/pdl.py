@@ -13,8 +13,8 @@ On by default on sm90+. On an H100, inside the decode CUDA graphs (Llama-2-7B fp
 fused GEMV with rotary, merge folded into attention stage 1): 5.21 ms per step with PDL vs 5.38 ms without
 (benchmarks/bench_gpu.py ``runner`` times both, 2026-11-21); batch 64 19.12 vs 19.14 ms. (An earlier kernel set
 with fewer, longer GEMV programs had measured no gain.) ``--pdl off`` (``KernelOptions.pdl``, passed to every
-launch) turns it off; ``auto`` (the default) leaves it off for grouped-query models, whose batch-1 step measured
-faster without it (Llama-3-8B on an H200, Qwen3-8B on an H100); never under the Triton interpreter or on older
+launch) turns it off; ``auto`` (the default) leaves it off for one-token batches of grouped-query models, whose step
+measured faster without it (Llama-3-8B on an H200, Qwen3-8B on an H100); never under the Triton interpreter or on older
 GPUs, where the instructions do not exist.
 """
 
