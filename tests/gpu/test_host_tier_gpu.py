@@ -47,8 +47,9 @@ def test_asynchronous_load_waits_for_its_slot_index_upload():
     flight); the scatter on the copy stream must wait for that upload. Here the compute stream is kept busy right
     before the upload, and the index memory handed out holds slot 0 (the reserved padding slot) beforehand: a
     scatter that ran early (as it once did, waiting only for the work queued before the upload) writes there.
-    Caveat (H200, 2026-11-28): the tree before the fix passed this test too, so the early scatter did not land
-    on that block there; this checks the ordering only where the allocator hands the freed block to the upload."""
+    Caveat: whether the tree before the fix fails it is not known. A run on 2026-11-28 that seemed to show it
+    passing there put that tree on PYTHONPATH but ran ``python -m pytest`` from this repo's root, whose
+    ``sglang_backend`` comes first on sys.path: it tested this tree. Run an old tree from its own directory."""
     from sglang_backend.runtime.mem_cache.host_pool import HostKVPool
     from sglang_backend.runtime.mem_cache.memory_pool import MHATokenToKVPool
 
