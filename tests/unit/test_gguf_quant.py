@@ -84,6 +84,24 @@ def test_one_row_nibble_pairs_round_like_float_products(gguf_type):
         assert ((got - x.double() @ w.T).abs() <= 1e-6 * bound).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
+def test_matmul_same_for_any_thread_count(gguf_type):
+    """The worker pool hands out chunks of rows (thread_pool.c): every row is computed once, the same way, whatever
+    the thread count, including fewer threads than the pool already has workers."""
+    gen = torch.Generator().manual_seed(9)
+    blocks = _random_blocks(gguf_type, 203, 576, gen)
+    kernels, code = native.kernels(), gguf_quant.FORMATS[gguf_type][0]
+    for m in (1, 5):
+        x = torch.randn(m, 576, generator=gen)
+        outs = []
+        for threads in (1, 2, 5, 3, 2):
+            y = torch.full((m, 203), float("nan"))
+            kernels.gguf_matmul(code, x.data_ptr(), m, 576, blocks.data_ptr(), 203, y.data_ptr(), threads)
+            outs.append(y)
+        assert all(torch.equal(outs[0], y) for y in outs[1:])
+
+
 @pytest.mark.parametrize("gguf_type,error", [("Q4_K", 0.1), ("Q5_K", 0.05), ("Q6_K", 0.03)])
 def test_k_quantizer_round_trips(gguf_type, error):
     """Our K-quant quantizer (gguf-py has none) makes blocks gguf-py dequantizes back to about the weights."""
