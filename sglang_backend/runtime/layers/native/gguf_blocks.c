@@ -303,11 +303,17 @@ static void pair_columns(int type, const float *x, int64_t K, float *xp, float *
         for (int half = 0; half < 2; half++) {
             const int64_t b = 2 * p + half;
             float s = 0.0f;
-            for (int j = 0; j < 8; j++) {
-                const int k = j >> 1, h = j & 1;
-                const float scale = j < 7 ? 1.0f / (float)(1 << 4 * j) : 1.0f; /* the top nibble is shifted down */
+            for (int h = 0; h < 2; h++) {
+                /* rows l = x[b][16 h + 4 l + (0..3)], transposed: row k = x[b][16 h + 4 (0..3) + k] */
+                __m128 r[4];
                 for (int l = 0; l < 4; l++)
-                    xp[64 * p + 8 * j + 4 * half + l] = b < nb ? x[32 * b + 16 * h + 4 * l + k] * scale : 0.0f;
+                    r[l] = b < nb ? _mm_loadu_ps(x + 32 * b + 16 * h + 4 * l) : _mm_setzero_ps();
+                _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
+                for (int k = 0; k < 4; k++) {
+                    const int j = 2 * k + h; /* 2^-4j (exact), but for the top nibble, shifted down instead */
+                    const __m128 scale = _mm_set1_ps(j < 7 ? 1.0f / (float)(1 << 4 * j) : 1.0f);
+                    _mm_storeu_ps(xp + 64 * p + 8 * j + 4 * half, _mm_mul_ps(r[k], scale));
+                }
             }
             if (b < nb)
                 for (int c = 0; c < 32; c++) s += x[32 * b + c];
