@@ -40,7 +40,8 @@ def _weight_shape(gguf_type: str, rows: int, in_features: int) -> tuple[int, int
 
 @needs_kernels
 @pytest.mark.parametrize("gguf_type", TYPES)
-@pytest.mark.parametrize("rows,in_features", [(37, 64), (300, 576), (64, 1536)])
+# (13, 96): an odd number of blocks per row (Q4_0 / Q4_1 at one row pair blocks up, the last with itself)
+@pytest.mark.parametrize("rows,in_features", [(37, 64), (13, 96), (300, 576), (64, 1536)])
 @pytest.mark.parametrize("make", ["quantize", "random"])
 def test_matmul_equals_dequantized_reference(gguf_type, rows, in_features, make):
     rows, in_features = _weight_shape(gguf_type, rows, in_features)
@@ -66,6 +67,39 @@ def test_matmul_equals_dequantized_reference(gguf_type, rows, in_features, make)
     # leading batch dims are kept
     x3 = torch.randn(2, 3, in_features, generator=gen)
     assert gguf_quant.matmul(x3, blocks, gguf_type).shape == (2, 3, rows)
+
+
+@needs_kernels
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1"])
+def test_one_row_nibble_pairs_round_like_float_products(gguf_type):
+    """Q4_0 / Q4_1 at one activation row multiply quants by x scaled by powers of two (see gguf_blocks.c,
+    pair_gemv): for activations over many magnitudes the error stays float rounding, relative to sum |w x|."""
+    gen = torch.Generator().manual_seed(5)
+    blocks = _random_blocks(gguf_type, 41, 352, gen)  # 11 blocks: an odd one at the end
+    w = gguf_quant._reference_dequantize(blocks, gguf_type, 352).double()
+    for low, high in ((-30.0, 3.0), (-3.0, 3.0), (2.0, 6.0)):
+        x = torch.randn(1, 352, generator=gen) * 10 ** (torch.rand(1, 352, generator=gen) * (high - low) + low)
+        got = gguf_quant.matmul(x, blocks, gguf_type).double()
+        bound = (w.abs() @ x.double().abs().T).T
+        assert ((got - x.double() @ w.T).abs() <= 1e-6 * bound).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
+def test_matmul_same_for_any_thread_count(gguf_type):
+    """The worker pool hands out chunks of rows (thread_pool.c): every row is computed once, the same way, whatever
+    the thread count, including fewer threads than the pool already has workers."""
+    gen = torch.Generator().manual_seed(9)
+    blocks = _random_blocks(gguf_type, 203, 576, gen)
+    kernels, code = native.kernels(), gguf_quant.FORMATS[gguf_type][0]
+    for m in (1, 5):
+        x = torch.randn(m, 576, generator=gen)
+        outs = []
+        for threads in (1, 2, 5, 3, 2):
+            y = torch.full((m, 203), float("nan"))
+            kernels.gguf_matmul(code, x.data_ptr(), m, 576, blocks.data_ptr(), 203, y.data_ptr(), threads)
+            outs.append(y)
+        assert all(torch.equal(outs[0], y) for y in outs[1:])
 
 
 @pytest.mark.parametrize("gguf_type,error", [("Q4_K", 0.1), ("Q5_K", 0.05), ("Q6_K", 0.03)])

@@ -277,6 +277,95 @@ static inline __attribute__((always_inline)) void gemv_rows(int type, const floa
     }
 }
 
+/* --- Q4_0 / Q4_1 at one activation row: two blocks per step ---
+ *
+ * The float path's cost is turning quants into floats (the weights stream from memory faster than that), so
+ * this one spends the fewest instructions on it: the 16 nibble bytes of blocks b and b + 1 share one vector v,
+ * and "vector j" (j < 8) is v & (15 << 4 j) converted as is: nibble j of each 32-bit lane, times 2^4j, one AND
+ * and one conversion per 8 weights (exact: 4 significant bits; the top nibble is shifted down instead, as its
+ * mask would set the sign bit). x is laid out to match once per call (pair_columns), times 2^-4j, so each
+ * product is the exact (q 2^4j) (x 2^-4j) = q x product of the plain path, rounded the same (a power-of-two
+ * scale changes no rounding; only an x below 2^-100 would go subnormal). Per pair of blocks the scales come as
+ * [d0 m0 d1 m1] from two 32-bit loads and one fp16 conversion: d (lanes 0-3 block b, 4-7 block b + 1) scales
+ * the pair's q . x sum, and m . (sum x) goes into a 4-lane accumulator. As gemv_rows it computes
+ * d (sum q x) + m (sum x), with Q4_0's w = d (q - 8) as m = -8 d; about 1.5x gemv_rows' speed. */
+
+/* Whether one activation row takes pair_gemv. */
+static inline int nibble_pairs(int type, int64_t M) { return M == 1 && (type == GGML_Q4_0 || type == GGML_Q4_1); }
+
+/* x [K] for pair_gemv: pair p (blocks 2p, 2p + 1) is 64 floats, vector j = 2k + h (nibble h of byte k) holding
+ * x[b][16 h + 4 l + k] * 2^-4j in lane l (block 2p) and 4 + l (block 2p + 1), then xsp [4 per pair]: the terms
+ * that multiply [d0 m0 d1 m1], [0, s0, 0, s1] for Q4_1 and [-8 s0, 0, -8 s1, 0] for Q4_0 (s: a block's sum of x).
+ * An odd last block pairs with itself, its second copy against x = 0. */
+static void pair_columns(int type, const float *x, int64_t K, float *xp, float *xsp) {
+    const int64_t nb = K / 32;
+    for (int64_t p = 0; p < (nb + 1) / 2; p++)
+        for (int half = 0; half < 2; half++) {
+            const int64_t b = 2 * p + half;
+            float s = 0.0f;
+            for (int h = 0; h < 2; h++) {
+                /* rows l = x[b][16 h + 4 l + (0..3)], transposed: row k = x[b][16 h + 4 (0..3) + k] */
+                __m128 r[4];
+                for (int l = 0; l < 4; l++)
+                    r[l] = b < nb ? _mm_loadu_ps(x + 32 * b + 16 * h + 4 * l) : _mm_setzero_ps();
+                _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
+                for (int k = 0; k < 4; k++) {
+                    const int j = 2 * k + h; /* 2^-4j (exact), but for the top nibble, shifted down instead */
+                    const __m128 scale = _mm_set1_ps(j < 7 ? 1.0f / (float)(1 << 4 * j) : 1.0f);
+                    _mm_storeu_ps(xp + 64 * p + 8 * j + 4 * half, _mm_mul_ps(r[k], scale));
+                }
+            }
+            if (b < nb)
+                for (int c = 0; c < 32; c++) s += x[32 * b + c];
+            xsp[4 * p + 2 * half] = type == GGML_Q4_0 ? -8.0f * s : 0.0f;
+            xsp[4 * p + 2 * half + 1] = type == GGML_Q4_0 ? 0.0f : s;
+        }
+}
+
+/* The blocks at b0 and b1 of one row (pair p of xp, xsp) into acc (d times q . x) and accm (the m terms). */
+static inline __attribute__((always_inline)) void pair_step(int type, const uint8_t *b0, const uint8_t *b1,
+                                                            const float *xp, const float *xsp, __m256 *acc,
+                                                            __m128 *accm) {
+    const int nib = type == GGML_Q4_1 ? 4 : 2;
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + nib))),
+                                              _mm_loadu_si128((const __m128i *)(b1 + nib)), 1);
+    __m256 q[8];
+    for (int j = 0; j < 7; j++) q[j] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF << 4 * j)));
+    q[7] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
+    __m256 t0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp)), t1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(xp + 8));
+    for (int j = 2; j < 8; j += 2) {
+        t0 = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(xp + 8 * j), t0);
+        t1 = _mm256_fmadd_ps(q[j + 1], _mm256_loadu_ps(xp + 8 * j + 8), t1);
+    }
+    uint32_t w0, w1; /* d | m << 16; Q4_0: d alone (its next bytes are quants, maybe a NaN as fp16) */
+    memcpy(&w0, b0, 4);
+    memcpy(&w1, b1, 4);
+    if (type == GGML_Q4_0) w0 &= 0xFFFF, w1 &= 0xFFFF;
+    const __m128 dm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)w0), (int)w1, 1)); /* d0 m0 d1 m1 */
+    const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm), _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+    *acc = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, *acc);
+    *accm = _mm_fmadd_ps(dm, _mm_loadu_ps(xsp), *accm);
+}
+
+/* y[n] = x . w[n] for weight rows [n0, n1), one at a time: two rows at once streamed 2x slower from memory for
+ * 1536-column rows (960 bytes apart: the hardware prefetcher lost track), and were only ~5% faster at 576. */
+static inline __attribute__((always_inline)) void pair_gemv(int type, const float *xp, const float *xsp, int64_t K,
+                                                            const uint8_t *w, int64_t n0, int64_t n1, float *y) {
+    const int bb = block_bytes(type);
+    const int64_t nb = K / 32, row_bytes = nb * bb;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        __m256 acc = _mm256_setzero_ps();
+        __m128 accm = _mm_setzero_ps();
+        for (int64_t p = 0; 2 * p < nb; p++) {
+            const int64_t o0 = 2 * p * bb, o1 = 2 * p + 1 < nb ? o0 + bb : o0; /* an odd last block twice */
+            pair_step(type, row + o0, row + o1, xp + 64 * p, xsp + 4 * p, &acc, &accm);
+        }
+        const __m128 m = _mm_add_ps(accm, _mm_movehl_ps(accm, accm));
+        y[n] = hsum(acc) + (_mm_cvtss_f32(m) + _mm_cvtss_f32(_mm_movehdup_ps(m)));
+    }
+}
+
 /* Several activation rows (xs: in the chunks' order): three weight rows are decoded into a buffer, in that order,
  * then 4 activation rows x 3 weight rows are accumulated at once (12 independent FMA chains; each loaded vector
  * feeds 3 or 4 FMAs). */
@@ -313,7 +402,8 @@ static int valid(int type, int64_t K) { return block_bytes(type) != 0 && K % (32
 
 struct matmul_job {
     int type;
-    const float *xs, *xsum; /* x in the chunks' order (lanes_strided); its chunk sums (one row) */
+    const float *xs, *xsum; /* x in the chunks' order (lanes_strided); its chunk sums (one row); for pair_gemv
+                             * its xp and xsp */
     int64_t M, K, N;
     const uint8_t *w;
     float *y;
@@ -323,6 +413,11 @@ struct matmul_job {
 static void matmul_part(void *arg, int64_t g0, int64_t g1) {
     const struct matmul_job *j = (const struct matmul_job *)arg;
     const int64_t n0 = g0 * 8, n1 = g1 * 8 < j->N ? g1 * 8 : j->N;
+    if (nibble_pairs(j->type, j->M)) {
+        if (j->type == GGML_Q4_0) pair_gemv(GGML_Q4_0, j->xs, j->xsum, j->K, j->w, n0, n1, j->y);
+        else pair_gemv(GGML_Q4_1, j->xs, j->xsum, j->K, j->w, n0, n1, j->y);
+        return;
+    }
     if (j->M == 1) {
         DISPATCH(j->type, gemv_rows, j->xs, j->xsum, j->K, j->w, n0, n1, j->y);
         return;
@@ -337,6 +432,16 @@ static void matmul_part(void *arg, int64_t g0, int64_t g1) {
 int gguf_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                 int threads) {
     if (!valid(type, K)) return -1;
+    if (nibble_pairs(type, M)) {
+        const int64_t pairs = (K / 32 + 1) / 2;
+        float *xp = (float *)malloc((size_t)(68 * pairs) * sizeof(float));
+        if (!xp) abort();
+        pair_columns(type, x, K, xp, xp + 64 * pairs);
+        struct matmul_job job = {type, xp, xp + 64 * pairs, M, K, N, w, y};
+        parallel_for(threads, (N + 7) / 8, matmul_part, &job);
+        free(xp);
+        return 0;
+    }
     /* one allocation: x's chunk sums (used at M == 1) and, for chunks in lane order, x in that order */
     const int64_t sums = K / 32, strided = lanes_strided(type) ? M * K : 0;
     float *scratch = (float *)malloc((size_t)(sums + strided) * sizeof(float));

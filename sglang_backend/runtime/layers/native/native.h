@@ -3,7 +3,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-/* fn(ctx, begin, end) over [0, total) split into `threads` contiguous parts; the caller runs the first. */
+/* fn(ctx, begin, end) over [0, total) in contiguous chunks, run by the caller and up to threads - 1 workers
+ * (thread_pool.c); returns when every chunk is done. */
 typedef void (*parallel_fn)(void *ctx, int64_t begin, int64_t end);
 void parallel_for(int threads, int64_t total, parallel_fn fn, void *ctx);
 

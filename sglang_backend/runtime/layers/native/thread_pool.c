@@ -5,6 +5,12 @@
  * OpenMP threads exist than cores it throttles its idle spin, so every call paid a wake-up of the sleeping
  * worker (~100 us on a VM), 2-3x the matmul itself. These workers spin (pause, then yield the core) for up to
  * SPIN_NS after each job, and only then sleep on a condition variable, so an idle engine burns no CPU.
+ *
+ * A job is split into CHUNKS_PER_THREAD chunks per thread, which the caller and the workers claim one at a time, and
+ * the caller waits for the chunks, not for the workers: on 2 cores shared with Python threads a worker often starts
+ * late (it was yielding, or another thread had its core), and with one fixed part per thread the caller waited
+ * ~8 us per call for it (a sixth of a batch-1 decode step's kernel time: ~150 calls a token); now the caller takes
+ * the chunks the worker has not reached, and a late worker finds none left.
  */
 #define _GNU_SOURCE
 #include "native.h"
@@ -18,6 +24,8 @@
 #define MAX_WORKERS 255
 #define SPIN_NS 2000000L  /* 2 ms: longer than the gap between two kernels of one step */
 #define PAUSE_NS 20000L   /* the first 20 us with pause only, then sched_yield so others may run */
+#define CHUNKS_PER_THREAD 2 /* enough to even out a late start, few enough that claiming costs little */
+#define CHUNK_BITS 16       /* ticket: generation << 32 | chunks << 16 | the next chunk to claim */
 
 static struct {
     pthread_mutex_t lock;   /* held by the caller during a job: one job at a time */
@@ -25,13 +33,16 @@ static struct {
     pthread_cond_t wake;
     pthread_t threads[MAX_WORKERS];
     int workers;
-    atomic_long generation; /* bumped per job */
-    atomic_int remaining;   /* workers still running the current job */
+    atomic_long generation; /* bumped per job: wakes the workers */
     atomic_int sleepers;
+    atomic_int parts;       /* the threads the current job asked for: workers index + 1 >= parts sit it out */
+    /* The job's chunks: a worker that claims one (a compare-and-swap on the whole ticket, so a stale claim for a
+     * finished job fails) holds the job open until it counts the chunk done, so fn, ctx and total are that job's. */
+    _Alignas(64) atomic_ullong ticket;
+    _Alignas(64) atomic_long done; /* chunks of the current job finished */
     parallel_fn fn;
     void *ctx;
     int64_t total;
-    int parts;
     long born_at[MAX_WORKERS]; /* the generation before a worker's first job (it may start after the bump) */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
@@ -41,13 +52,25 @@ static long now_ns(void) {
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
-static void run_part(int part) {
-    const int64_t begin = pool.total * part / pool.parts, end = pool.total * (part + 1) / pool.parts;
-    if (begin < end) pool.fn(pool.ctx, begin, end);
+/* Claims and runs chunks of the current job until none is left. */
+static void run_chunks(void) {
+    const unsigned long long mask = (1ULL << CHUNK_BITS) - 1;
+    unsigned long long t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    for (;;) {
+        const int64_t chunk = (int64_t)(t & mask), chunks = (int64_t)((t >> CHUNK_BITS) & mask);
+        if (chunk >= chunks) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue; /* t now holds the current ticket */
+        const int64_t begin = pool.total * chunk / chunks, end = pool.total * (chunk + 1) / chunks;
+        if (begin < end) pool.fn(pool.ctx, begin, end);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    }
 }
 
 static void *worker_main(void *arg) {
-    const int index = (int)(intptr_t)arg; /* runs part index + 1; the caller runs part 0 */
+    const int index = (int)(intptr_t)arg;
     long seen = pool.born_at[index];
     for (;;) {
         const long start = now_ns();
@@ -68,8 +91,7 @@ static void *worker_main(void *arg) {
             _mm_pause();
         }
         seen = atomic_load(&pool.generation);
-        if (index + 1 < pool.parts) run_part(index + 1);
-        atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_release);
+        if (index + 1 < atomic_load_explicit(&pool.parts, memory_order_relaxed)) run_chunks();
     }
     return NULL;
 }
@@ -82,7 +104,6 @@ static void reset_after_fork(void) {
     pthread_cond_init(&pool.wake, NULL);
     pool.workers = 0;
     atomic_store(&pool.sleepers, 0);
-    atomic_store(&pool.remaining, 0);
 }
 
 static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
@@ -101,16 +122,21 @@ void parallel_for(int threads, int64_t total, parallel_fn fn, void *ctx) {
         if (pthread_create(&pool.threads[pool.workers], NULL, worker_main, (void *)(intptr_t)pool.workers) != 0) break;
         pool.workers++;
     }
+    const int parts = pool.workers + 1 < threads ? pool.workers + 1 : threads;
+    const int64_t chunks = total < (int64_t)parts * CHUNKS_PER_THREAD ? total : (int64_t)parts * CHUNKS_PER_THREAD;
     pool.fn = fn;
     pool.ctx = ctx;
     pool.total = total;
-    pool.parts = pool.workers + 1 < threads ? pool.workers + 1 : threads;
-    atomic_store(&pool.remaining, pool.workers);
+    atomic_store_explicit(&pool.parts, parts, memory_order_relaxed);
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    const unsigned long long generation = (unsigned long long)atomic_load(&pool.generation) + 1;
+    atomic_store_explicit(&pool.ticket, generation << 32 | (unsigned long long)chunks << CHUNK_BITS,
+                          memory_order_release);
     pthread_mutex_lock(&pool.sleep_lock); /* a worker between its check and its wait cannot miss the bump */
     atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
     if (atomic_load(&pool.sleepers) > 0) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.sleep_lock);
-    run_part(0);
-    while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0) _mm_pause();
+    run_chunks();
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < chunks) _mm_pause();
     pthread_mutex_unlock(&pool.lock);
 }
