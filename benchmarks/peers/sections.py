@@ -20,6 +20,18 @@ def timed_generate(client: Client, prompts: list[list[int]], max_tokens: int) ->
     return time.perf_counter() - t0, outs
 
 
+def median_of_calls(client: Client, spec, vocab: int, max_tokens: int, repeats: int) -> tuple[float, list, bool]:
+    """A warm-up call on ``spec``'s warm prompts, then ``repeats`` timed calls on its real ones, each from an empty
+    cache: (the median seconds, every call's seconds, whether every output was well formed)."""
+    timed_generate(client, spec.prompts(vocab, warm=True), max_tokens)
+    real, times, ok = spec.prompts(vocab), [], True
+    for _ in range(repeats):
+        dt, outs = timed_generate(client, real, max_tokens)
+        times.append(dt)
+        ok = ok and outputs_ok(outs, spec.count, max_tokens, vocab)
+    return statistics.median(times), times, ok
+
+
 def offline(client: Client, sz: Sizes, vocab: int) -> dict:
     """N requests of 1024 prompt tokens, 1024 output tokens each, one call: output tokens/s."""
     spec = specs(sz)["offline"]
@@ -36,13 +48,7 @@ def shared_prefix(client: Client, sz: Sizes, vocab: int) -> dict:
     """128 requests = one 1024-token prefix + 64 unique tokens, 32 out, one call from a cold cache: requests/s
     (the median of ``program_repeats`` calls)."""
     spec = specs(sz)["shared_prefix"]
-    timed_generate(client, spec.prompts(vocab, warm=True), spec.output_len)
-    real, times, ok = spec.prompts(vocab), [], True
-    for _ in range(sz.program_repeats):
-        dt, outs = timed_generate(client, real, spec.output_len)
-        times.append(dt)
-        ok = ok and outputs_ok(outs, spec.count, spec.output_len, vocab)
-    dt = statistics.median(times)
+    dt, times, ok = median_of_calls(client, spec, vocab, spec.output_len, sz.program_repeats)
     return dict(requests=spec.count, shared_prefix_len=spec.prompt_len, unique_len=spec.unique,
                 output_len=spec.output_len, seconds=dt, times_s=times, requests_per_s=spec.count / dt,
                 output_tok_per_s=spec.count * spec.output_len / dt, well_formed=ok)
@@ -70,13 +76,7 @@ def decode(client: Client, sz: Sizes, vocab: int, name: str) -> dict:
 def cold_prefill(client: Client, sz: Sizes, vocab: int) -> dict:
     """8 prompts of 1024 tokens, 1 output token, cache emptied before each call: prefill tokens/s (median)."""
     spec = specs(sz)["cold_prefill"]
-    timed_generate(client, spec.prompts(vocab, warm=True), 1)
-    real, times, ok = spec.prompts(vocab), [], True
-    for _ in range(sz.prefill_repeats):
-        dt, outs = timed_generate(client, real, 1)
-        times.append(dt)
-        ok = ok and outputs_ok(outs, spec.count, 1, vocab)
-    seconds = statistics.median(times)
+    seconds, times, ok = median_of_calls(client, spec, vocab, 1, sz.prefill_repeats)
     return dict(requests=spec.count, prompt_len=spec.prompt_len, repeats=sz.prefill_repeats, seconds=seconds,
                 times_s=times, prefill_tok_per_s=spec.count * spec.prompt_len / seconds, well_formed=ok)
 
