@@ -17,6 +17,8 @@ Sections (``--only``, comma-separated; they run in this order whatever the order
   whether PDL shortens the gaps between dependent kernels on this GPU.
 * attn_sweep: decode-attention launch configs and split counts; the fastest become this run's kernel configs,
   which the engines made afterwards load.
+* cascade_sweep: cascade decode (a prefix shared by the batch) at the shared-prefix shape: the prefix kernel's
+  configs and programs per SM, then the per-request part's config (the "cascade" entry); the same file.
 * attn_layout: decode attention over the engine's KV layout at the offline shape, ours vs FlashInfer.
 * gemv_sweep: cuBLAS vs the Triton GEMV for each single-row linear (decode at batch 1).
 * hf: HF ``generate`` decode step (batch 1 and 64, 1k context) and shared-prefix requests/s, in batches of 32.

@@ -113,10 +113,11 @@ def check_decode(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, num
 
 
 def check_decode_cascade(device, dtype, num_heads, num_kv_heads, head_dim, seq_lens, shared_prefix, num_splits,
-                         prefix_splits, seed=0, fused_merge=False):
+                         prefix_splits, seed=0, fused_merge=False, config=None, configs=None):
     """Cascade decode: the requests share their first ``shared_prefix`` slots; the shared length is found on
     the device (as the backend does) and attended once for the batch. ``fused_merge``: with split counters,
-    as the backend runs it (one per-request split: stage 1 merges the prefix partials, no stage 2)."""
+    as the backend runs it (one per-request split: stage 1 merges the prefix partials, no stage 2).
+    ``config`` / ``configs``: launch configurations as decode_attention_fwd takes them (a sweep's candidates)."""
     # Needs triton: deferred so that this module imports without it.
     from sglang_backend.runtime.layers.attention.triton_ops.decode_attention import (
         decode_attention_fwd, shared_prefix_len)
@@ -140,8 +141,8 @@ def check_decode_cascade(device, dtype, num_heads, num_kv_heads, head_dim, seq_l
     mid_lse = torch.full((bs, num_heads, total), float("nan"), dtype=torch.float32, device=device)
     scale = head_dim ** -0.5
     counters = torch.zeros(bs * num_heads, dtype=torch.int32, device=device) if fused_merge else None
-    decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale,
-                         prefix_len=prefix_len, prefix_splits=prefix_splits, merge_counters=counters)
+    decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, rows, seq, mid_o, mid_lse, num_splits, scale, config,
+                         prefix_len=prefix_len, prefix_splits=prefix_splits, merge_counters=counters, configs=configs)
     if counters is not None:
         assert int(counters.abs().sum()) == 0, "split counters not left zero"
     return _worst_decode_err(q, o, k_buf, v_buf, req_to_token, rows, seq_lens, scale)

@@ -5,6 +5,7 @@ FlashInfer (attn_layout), and cuBLAS vs the Triton GEMV for single-row linears (
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu.common import MODELS, PATHS, RESULT, TUNED, cuda_time, graph_time, head_dim, log, section
-from benchmarks.gpu.kernel_checks import check_decode, check_extend, check_fp8, check_fused_ops
+from benchmarks.gpu.kernel_checks import check_decode, check_decode_cascade, check_extend, check_fp8, check_fused_ops
 from sglang_backend.runtime.layers.kernel_options import KernelConfigs, load_kernel_configs
 
 
@@ -87,10 +88,12 @@ def bench_pdl_probe():
 # (batch, layers' KV rotated, contexts, split counts, configs (BLOCK_N, warps, stages, head_fastest)). Batch 1
 # around its known winners (many short splits on few warps); large batches at 1k and 2k context (offline 1k in /
 # 1k out decodes at 1-2k), ranked by the sum over both.
+# Split counts None: the one the engine uses at that batch size (from target_programs_per_sm, which the batch-1
+# sweep before it sets), so the large-batch config is judged as it will run.
 ATTN_SWEEP = (
     (1, 8, (1024,), (16, 32), [(bn, w, st, True) for bn in (32, 64, 128) for w in (2, 4) for st in (1, 2)]),
-    (64, 2, (1024, 2048), (1, 2), [(bn, w, st, hf) for bn in (64, 128) for w in (4, 8) for st in (2, 3)
-                                   for hf in (True, False)]),
+    (64, 2, (1024, 2048), None, [(bn, w, st, hf) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)
+                                 for hf in (True, False)]),
 )
 
 
@@ -149,6 +152,7 @@ def bench_attn_sweep(name: str):
     fastest batch-1 split count (how many stage-1 programs decode aims for), go into this run's kernel-config
     file (TUNED), which the engines made afterwards load."""
     # Needs triton: deferred so that this module imports without it.
+    from sglang_backend.runtime.layers.attention.triton_backend import num_kv_splits
     from sglang_backend.runtime.layers.attention.triton_ops import decode_attention as da
 
     _, H, Hkv, _ = attn_shape(name)
@@ -156,6 +160,10 @@ def bench_attn_sweep(name: str):
     chosen = {}
     counters = torch.zeros(64 * H, dtype=torch.int32, device="cuda")
     for bs, n_layers, contexts, splits_list, configs in ATTN_SWEEP:
+        if splits_list is None:
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            splits_list = (num_kv_splits(bs, Hkv, sms, TUNED.get("target_programs_per_sm",
+                                                                  KernelConfigs().target_programs_per_sm)),)
         for ctx in contexts:
             sweep_context(da, name, bs, n_layers, ctx, splits_list, configs, counters, res)
         best = rank_runs(res, bs, contexts)
@@ -172,6 +180,142 @@ def bench_attn_sweep(name: str):
         f"{TUNED['target_programs_per_sm']:.2f} (kernel config {PATHS.kernel_config})")
     RESULT["attn_sweep"] = {"runs": res, "chosen": chosen, "kernel_config": dict(TUNED),
                             "target_programs_per_sm": TUNED["target_programs_per_sm"]}
+
+
+# cascade_sweep ------------------------------------------------------------------------------------------------------
+# Cascade decode at the shared-prefix workload's shape (issue 23): batches of 64 and 128 requests behind one
+# 1024-token prefix, each with 64-96 tokens of its own. First the prefix kernel (BLOCK_M, BLOCK_N, warps, stages)
+# x programs per SM, with the per-request part as configured; then, with the prefix winner, the per-request
+# part's stage-1 config (BLOCK_N, warps, stages, head_fastest), which becomes the "cascade" entry.
+CASCADE_BATCHES = (64, 128)
+CASCADE_PREFIX = 1024
+CASCADE_OWN = (64, 96)
+PREFIX_SWEEP = [(bm, bn, w, st) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+PREFIX_PROGRAMS_PER_SM = (1.0, 2.0, 4.0)
+SUFFIX_SWEEP = [(bn, w, st, hf) for bn in (16, 32, 64) for w in (1, 2, 4) for st in (1, 2) for hf in (True, False)]
+
+
+def _cascade_case(name: str, bs: int, n_layers: int, gen):
+    """KV pools of n_layers layers, a request-to-slot table whose rows share the first CASCADE_PREFIX slots,
+    the queries, and the sequence lengths (prefix + own tokens)."""
+    dtype, H, Hkv, D = attn_shape(name)
+    own = torch.randint(CASCADE_OWN[0], CASCADE_OWN[1] + 1, (bs,), generator=gen)
+    n_slots = CASCADE_PREFIX + int(own.sum()) + 1
+    kv = [(torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype),
+           torch.randn(n_slots, Hkv, D, device="cuda", dtype=dtype)) for _ in range(n_layers)]
+    width = CASCADE_PREFIX + CASCADE_OWN[1]
+    r2t = torch.zeros(bs, width, dtype=torch.int64)
+    r2t[:, :CASCADE_PREFIX] = torch.arange(1, CASCADE_PREFIX + 1)
+    off = CASCADE_PREFIX + 1
+    for b in range(bs):
+        n = int(own[b])
+        r2t[b, CASCADE_PREFIX : CASCADE_PREFIX + n] = torch.arange(off, off + n)
+        off += n
+    seq = (own + CASCADE_PREFIX).to("cuda")
+    q = torch.randn(bs, H, D, device="cuda", dtype=dtype)
+    return kv, r2t.to("cuda"), seq, q
+
+
+def _time_cascade(da, name: str, bs: int, case, config, configs: KernelConfigs, prefix_splits: int, counters):
+    # Needs triton: deferred so that this module imports without it.
+    from sglang_backend.runtime.layers.attention.triton_backend import num_kv_splits
+
+    dtype, H, Hkv, D = attn_shape(name)
+    kv, r2t, seq, q = case
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = num_kv_splits(bs, Hkv, sms, configs.target_programs_per_sm)
+    rows = torch.arange(bs, device="cuda")
+    prefix_len = torch.full((1,), CASCADE_PREFIX, dtype=torch.int32, device="cuda")
+    o = torch.empty_like(q)
+    mid_o = torch.empty(bs, H, splits + prefix_splits, D, device="cuda", dtype=torch.float32)
+    mid_lse = torch.empty(bs, H, splits + prefix_splits, device="cuda", dtype=torch.float32)
+    fns = [(lambda k=k, v=v: da.decode_attention_fwd(
+        q, k, v, o, r2t, rows, seq, mid_o, mid_lse, splits, D**-0.5, config, prefix_len=prefix_len,
+        prefix_splits=prefix_splits, merge_counters=counters, configs=configs)) for k, v in kv]
+    return graph_time(fns)
+
+
+def _cascade_ok(name: str, config, configs: KernelConfigs, prefix_splits: int, seed: int) -> bool:
+    """The candidate against the float64 reference on a small fresh cascade batch before it is timed."""
+    dtype, H, Hkv, D = attn_shape(name)
+    gen = random.Random(seed)
+    seq_lens = [300 + gen.randint(1, 150) for _ in range(12)]
+    err = check_decode_cascade("cuda", dtype, H, Hkv, D, seq_lens, 300, 1, prefix_splits, seed=seed,
+                               fused_merge=True, config=config, configs=configs)
+    if err >= 2e-2:
+        log(f"cascade config {config} / {configs.decode_prefix} x{prefix_splits}: error {err:.2e}, skipped")
+    return err < 2e-2
+
+
+@section("cascade_sweep")
+def bench_cascade_sweep(name: str):
+    """Cascade decode launch configs at the shared-prefix shape (see CASCADE_BATCHES): each candidate is checked
+    against the float64 reference on a fresh random batch, then timed in CUDA graphs over several layers' KV;
+    the winners (summed over the batch sizes) go into this run's kernel-config file like attn_sweep's."""
+    # Needs triton: deferred so that this module imports without it.
+    from sglang_backend.runtime.layers.attention.triton_backend import prefix_splits_for
+    from sglang_backend.runtime.layers.attention.triton_ops import decode_attention as da
+
+    _, H, Hkv, _ = attn_shape(name)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = KernelConfigs.from_json(dict(TUNED)) if TUNED else load_kernel_configs("cuda")
+    gen = torch.Generator().manual_seed(17)
+    cases = {bs: _cascade_case(name, bs, 3, gen) for bs in CASCADE_BATCHES}
+    counters = torch.zeros(max(CASCADE_BATCHES) * H, dtype=torch.int32, device="cuda")
+    seed = int(time.time())
+    runs = []
+
+    def measure(config, configs):
+        total = 0.0
+        for bs in CASCADE_BATCHES:
+            ps = prefix_splits_for(bs, H, Hkv, sms, configs)
+            if not _cascade_ok(name, config, configs, ps, seed + len(runs)):
+                return None
+            total += _time_cascade(da, name, bs, cases[bs], config, configs, ps, counters)
+        runs.append({"prefix": list(configs.decode_prefix), "prefix_programs_per_sm": configs.prefix_programs_per_sm,
+                     "stage1": list(config or configs.decode_config(H == Hkv, 64, cascade=True)), "time_s": total})
+        return total
+
+    base_time = measure(None, base)
+    best = (base_time, base)
+    for pc in PREFIX_SWEEP:
+        for pp in PREFIX_PROGRAMS_PER_SM:
+            cand = dataclasses.replace(base, decode_prefix=pc, prefix_programs_per_sm=pp)
+            try:
+                t = measure(None, cand)
+            except Exception as e:  # noqa: BLE001 - a config may not compile (shared memory)
+                log(f"prefix config {pc} failed: {e!r}"[:200])
+                continue
+            if t is not None and t < best[0]:
+                best = (t, cand)
+    prefix_time, winner = best
+    best_stage1 = (prefix_time, None)
+    for c in SUFFIX_SWEEP:
+        try:
+            t = measure(c, winner)
+        except Exception as e:  # noqa: BLE001
+            log(f"stage-1 config {c} failed: {e!r}"[:200])
+            continue
+        if t is not None and t < best_stage1[0]:
+            best_stage1 = (t, c)
+    table_key = "decode_mha" if H == Hkv else "decode_gqa"
+    TUNED.update({k: v for k, v in base.to_json().items() if k not in TUNED})
+    TUNED["decode_prefix"] = list(winner.decode_prefix)
+    TUNED["prefix_programs_per_sm"] = winner.prefix_programs_per_sm
+    if best_stage1[1] is not None:
+        TUNED[table_key] = {**TUNED.get(table_key, {}), "cascade": list(best_stage1[1])}
+    with open(PATHS.kernel_config, "w") as f:
+        json.dump(TUNED, f, indent=1)
+    n = len(CASCADE_BATCHES)
+    log(f"cascade_sweep (batches {CASCADE_BATCHES}, mean per layer): as configured {base_time / n * 1e6:.1f} us; "
+        f"prefix {list(winner.decode_prefix)} x {winner.prefix_programs_per_sm} per SM {prefix_time / n * 1e6:.1f} us; "
+        f"stage 1 {best_stage1[1]} {best_stage1[0] / n * 1e6:.1f} us")
+    for r in sorted(runs, key=lambda r: r["time_s"])[:6]:
+        log(f"   {r['time_s'] / n * 1e6:7.1f} us  prefix {r['prefix']} x {r['prefix_programs_per_sm']}  "
+            f"stage 1 {r['stage1']}")
+    RESULT["cascade_sweep"] = {"batches": list(CASCADE_BATCHES), "prefix": CASCADE_PREFIX, "own": list(CASCADE_OWN),
+                               "as_configured_s": base_time, "best_s": best_stage1[0], "runs": runs,
+                               "kernel_config": dict(TUNED)}
 
 
 # attn_layout --------------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ SECTIONS: list[Section] = [
     Section("correctness", lambda c: kernels.bench_correctness()),
     Section("pdl_probe", lambda c: kernels.bench_pdl_probe()),
     Section("attn_sweep", lambda c: kernels.bench_attn_sweep(c.name)),
+    Section("cascade_sweep", lambda c: kernels.bench_cascade_sweep(c.name)),
     Section("attn_layout", lambda c: kernels.bench_attn_layout(c.name)),
     Section("gemv_sweep", lambda c: kernels.bench_gemv_sweep(c.name)),
     Section("hf", lambda c: hf.bench_hf(c.name, c.args)),

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from benchmarks.gpu.kernel_checks import TOL, check_decode, check_decode_cascade, check_extend, check_fused_ops  # noqa: E402
+from sglang_backend.runtime.layers.kernel_options import KernelConfigs  # noqa: E402
 from tests.gpu.interpreter_gemma3_check import check_decode_window, check_extend_window  # noqa: E402
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -49,6 +50,18 @@ def test_decode_cascade(dtype, shape):
             err = check_decode_cascade("cuda", dtype, *shape, seq_lens, shared, splits, prefix_splits, seed=seed,
                                        fused_merge=fused_merge)
             assert err < TOL[dtype], (seq_lens[:4], shared, splits, prefix_splits, fused_merge, err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", [(16, 1, 1, False), (32, 2, 1, True), (64, 4, 2, False)], ids=str)
+def test_decode_cascade_small_tiles(dtype, config):
+    # The per-request part of a cascade batch under the small-tile configs a "cascade" entry names, with tails
+    # both shorter and longer than one tile, and the prefix kernel under another launch configuration.
+    rng = random.Random(hash((str(dtype), config)) & 0xFFFF)
+    seq_lens = [1024 + rng.randint(1, 200) for _ in range(40)]
+    err = check_decode_cascade("cuda", dtype, 32, 8, 128, seq_lens, 1024, 1, 4, seed=rng.randint(0, 1 << 30),
+                               fused_merge=True, config=config, configs=KernelConfigs(decode_prefix=(32, 64, 4, 1)))
+    assert err < TOL[dtype], (config, err)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -57,6 +57,13 @@ def test_config_files(tmp_path):
     assert c.gemv_config(22016, 4096, False) == defaults.gemv
     assert c.decode_config(False, 64) == (64, 8, 3, True) and c.decode_config(False, 1) == (64, 4, 2, True)
     assert c.target_programs_per_sm == 2.0 and c.decode_mha == defaults.decode_mha
+    # A cascade batch's per-request part takes the "cascade" entry where a file names one, else the batch size's.
+    assert c.decode_config(False, 64, cascade=True) == (64, 8, 3, True)
+    path.write_text(json.dumps({"decode_gqa": {"cascade": [32, 2, 1, False]}}))
+    c = load_kernel_configs("cpu", str(path))
+    assert c.decode_config(False, 64, cascade=True) == (32, 2, 1, False)
+    assert c.decode_config(False, 64) == defaults.decode_config(False, 64)
+    assert c.decode_config(True, 64, cascade=True) == defaults.decode_config(True, 64)
     assert KernelConfigs.from_json(json.loads(json.dumps(c.to_json()))) == c
     path.write_text(json.dumps({"gemv_config": [1, 2, 3, 4]}))
     with pytest.raises(ValueError, match="unknown keys"):

@@ -59,6 +59,8 @@ class KernelConfigs:
     # Decode attention stage 1 (BLOCK_N, num_warps, num_stages, head_fastest) for small batches (the sequence
     # split many ways) and large ones (from decode_large_batch up); MHA through tl.dot, GQA with the query heads
     # of a KV head as the rows of one tile (bench_gpu attn_sweep).
+    # An optional "cascade" entry serves the per-request part of a cascade batch (its own tokens after the
+    # shared prefix: usually short, one tile, so small tiles that keep many programs per SM win; else "large").
     decode_mha: dict = field(default_factory=lambda: {"small": (64, 2, 1, True), "large": (64, 4, 3, False)})
     decode_gqa: dict = field(default_factory=lambda: {"small": (64, 4, 2, True), "large": (128, 4, 2, False)})
     decode_large_batch: int = 16
@@ -79,8 +81,10 @@ class KernelConfigs:
         key = f"{rows},{cols},{int(silu_mul)}" + (",fp8" if fp8 else "")
         return tuple(self.gemv_shapes.get(key, self.gemv_fp8 if fp8 else self.gemv))
 
-    def decode_config(self, mha: bool, bs: int) -> tuple:
+    def decode_config(self, mha: bool, bs: int, cascade: bool = False) -> tuple:
         table = self.decode_mha if mha else self.decode_gqa
+        if cascade and "cascade" in table:
+            return tuple(table["cascade"])
         return tuple(table["large" if bs >= self.decode_large_batch else "small"])
 
     def to_json(self) -> dict:

@@ -40,6 +40,14 @@ def num_kv_splits(bs: int, heads_per_req: int, num_sms: int, target_programs_per
     return max(1, min(MAX_KV_SPLITS, -(-int(target_programs_per_sm * num_sms) // (bs * heads_per_req))))
 
 
+def prefix_splits_for(bs: int, num_heads: int, num_kv_heads: int, num_sms: int, configs) -> int:
+    """Splits of the shared prefix in a cascade decode batch of bs requests: about
+    ``configs.prefix_programs_per_sm`` programs of the prefix kernel per SM, at least 2 (one pass over a long
+    prefix per program starves the memory pipeline, measured)."""
+    progs = num_prefix_programs_per_split(bs, num_heads, num_kv_heads, configs)
+    return max(2, min(MAX_PREFIX_SPLITS, round(configs.prefix_programs_per_sm * num_sms / progs)))
+
+
 class TritonAttnBackend(AttentionBackend):
     # The model may write K/V into the pool itself (fused with rotary) and call forward(..., save_kv=False);
     # decode runs in CUDA graphs (cuda_graph_runner.py).
@@ -87,9 +95,7 @@ class TritonAttnBackend(AttentionBackend):
         per-request part is split too)."""
         if not self.use_cascade or bs < CASCADE_MIN_BS or not shares_prefix:
             return 0
-        progs = num_prefix_programs_per_split(bs, self.num_heads, self.num_kv_heads, self.configs)
-        # At least 2 splits: one pass over a long prefix per program starves the memory pipeline (measured).
-        return max(2, min(MAX_PREFIX_SPLITS, round(self.configs.prefix_programs_per_sm * self.num_sms / progs)))
+        return prefix_splits_for(bs, self.num_heads, self.num_kv_heads, self.num_sms, self.configs)
 
     def _scratch(self, bs: int, splits: int):
         n = bs * self.num_heads * splits

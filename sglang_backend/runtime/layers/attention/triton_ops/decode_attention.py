@@ -329,7 +329,7 @@ def decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, req_pool_indices, seq
         _launch_prefix_stage1(q, k_buf, v_buf, req_to_token, req_pool_indices, prefix_len, mid_o, mid_lse, strides,
                               scale_log2, bs, group, num_kv_heads, head_dim, block_d, num_splits, prefix_splits,
                               ieee, configs, launch)
-    block_n, warps, stages, head_fastest = config or configs.decode_config(group == 1, bs)
+    block_n, warps, stages, head_fastest = config or configs.decode_config(group == 1, bs, cascade=has_prefix)
     if block_d > 128:
         block_n = min(block_n, 32)
     grid = (num_kv_heads, bs, num_splits) if head_fastest else (bs, num_kv_heads, num_splits)
