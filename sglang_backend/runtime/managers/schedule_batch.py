@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model_executor.forward_batch import ForwardBatch, ForwardMode, cascade_worthwhile
+from ..model_executor.forward_batch import ForwardBatch, ForwardMode, cascade_worthwhile, upload_int64
 from ..sampling_params import SamplingParams
 
 
@@ -226,17 +226,22 @@ class ScheduleBatch:
             seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
             for rows in self.logit_rows:
                 logits_indices.extend(rows)
+        # One copy for all index vectors that does not wait for the GPU: a prefill planned while a decode step
+        # is in flight is launched behind it instead of waiting for it once per vector.
+        input_ids, d_positions, out_cache_loc, req_pool_indices, d_seq_lens, d_logits_indices = upload_int64(
+            [ids, positions, self.out_cache_loc, [r.req_pool_idx for r in self.reqs], seq_lens, logits_indices],
+            device)
         return ForwardBatch(
             forward_mode=self.forward_mode,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            out_cache_loc=self.out_cache_loc.to(device),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            input_ids=input_ids,
+            positions=d_positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            seq_lens=d_seq_lens,
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(self.prefix_lens),
             extend_seq_lens_cpu=list(self.extend_lens),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            logits_indices=d_logits_indices,
             mm_inputs=[r.mm_inputs for r in self.reqs] if any(r.mm_inputs for r in self.reqs)
             and self.forward_mode.is_extend() else None,
             shares_prefix=shared,

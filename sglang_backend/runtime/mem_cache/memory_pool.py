@@ -87,22 +87,29 @@ class MirroredReqToTokenPool(ReqToTokenPool):
         self._pending.extend(zip(rows.tolist(), cols.tolist(), [1] * len(locs)))
 
     def sync_to_device(self) -> None:
+        """Ships the pending writes to ``device_table`` without waiting for work queued on the GPU."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        rows = torch.tensor([p[0] for p in pending], dtype=torch.int64)
-        starts = torch.tensor([p[1] for p in pending], dtype=torch.int64)
-        if all(p[2] == 1 for p in pending):
-            cols = starts
-        else:
-            lens = torch.tensor([p[2] for p in pending], dtype=torch.int64)
-            rows = rows.repeat_interleave(lens)
-            offsets = torch.cumsum(lens, 0) - lens
-            cols = starts.repeat_interleave(lens) + torch.arange(int(lens.sum())) - offsets.repeat_interleave(lens)
-        vals = self.req_to_token[rows, cols]
-        packed = torch.stack([rows, cols, vals])
-        packed = to_device_async(packed, self.device_table.device)  # does not wait for queued GPU work
-        self.device_table[packed[0], packed[1]] = packed[2]
+        dev = self.device_table.device
+        if all(p[2] == 1 for p in pending):  # a decode step: one token per request
+            rows = torch.tensor([p[0] for p in pending], dtype=torch.int64)
+            cols = torch.tensor([p[1] for p in pending], dtype=torch.int64)
+            packed = to_device_async(torch.stack([rows, cols, self.req_to_token[rows, cols]]), dev)
+            self.device_table[packed[0], packed[1]] = packed[2]
+            return
+        # Spans (prompts, cached prefixes): their values go as one flat copy and each entry's (row, column) is
+        # expanded on the device, so the host does no work per entry (building those indices on the host took
+        # ~4 ms for 127 requests x 1088 tokens on an H200 machine, with the GPU idle).
+        meta = torch.tensor(pending, dtype=torch.int64).T.contiguous()  # rows, starts, lengths
+        total = int(meta[2].sum())
+        vals = torch.cat([self.req_to_token[r, s : s + n] for r, s, n in pending])
+        flat = to_device_async(torch.cat([meta.flatten(), vals]), dev)
+        k = len(pending)
+        rows, starts, lens, vals = flat[:k], flat[k : 2 * k], flat[2 * k : 3 * k], flat[3 * k :]
+        first = torch.cumsum(lens, 0) - lens  # each span's first entry in the flat values
+        cols = torch.arange(total, device=dev) + torch.repeat_interleave(starts - first, lens, output_size=total)
+        self.device_table[torch.repeat_interleave(rows, lens, output_size=total), cols] = vals
 
 
 class TokenToKVPoolAllocator:

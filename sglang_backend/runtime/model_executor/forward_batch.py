@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...utils import to_device_async
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # new tokens (a prompt, a chunk of one, or a jump-forward tail) after a cached prefix
@@ -61,3 +63,21 @@ def cascade_worthwhile(req_to_token_pool, rows: list[int], cached_lens: list[int
         return True
     n = max(1, -(-min_saved_reads // max(len(rows) - 1, 1)))
     return n <= min(cached_lens) and req_to_token_pool.shares_prefix(rows, n)
+
+
+def upload_int64(parts: list, device) -> list:
+    """The int64 vectors ``parts`` (lists of ints or host tensors) on ``device`` through one host-to-device copy
+    that does not wait for queued GPU work (``to_device_async``), as views of one buffer. Each view starts on a
+    16-byte boundary: Triton specialises a kernel on its pointers' alignment, so views at odd offsets would
+    compile other variants mid-run."""
+    host = [p.to(torch.int64).flatten() if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=torch.int64)
+            for p in parts]
+    starts, total = [], 0
+    for t in host:
+        starts.append(total)
+        total += t.numel() + t.numel() % 2
+    buf = torch.zeros(total, dtype=torch.int64)
+    for t, start in zip(host, starts):
+        buf[start : start + t.numel()] = t
+    buf = to_device_async(buf, device)
+    return [buf[start : start + t.numel()] for t, start in zip(host, starts)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ....utils import to_device_async
 from ..kernel_options import DEFAULT_OPTIONS
 from .base import AttentionBackend, device_table
 from .triton_ops.decode_attention import decode_attention_fwd, num_prefix_programs_per_split, shared_prefix_len
@@ -140,7 +141,7 @@ class TritonAttnBackend(AttentionBackend):
         width = -(-n // 4) * 4
         meta = torch.zeros((3, width), dtype=torch.int32)
         meta[:, :n] = torch.tensor([prefix, extend, starts], dtype=torch.int32)
-        meta = meta.to(self.device, non_blocking=True)
+        meta = to_device_async(meta, self.device)  # through pinned memory: no wait for the GPU's queue
         self.forward_metadata = (meta[0, :n], meta[1, :n], meta[2, :n], max(extend) if extend else 0)
 
     def init_forward_metadata_capture(self, bs: int, shares_prefix: bool = True) -> None:
