@@ -71,7 +71,8 @@ class ServerArgs:
     session_pin_max_fraction: float = field(default=0.5, metadata={"help": "Most of the KV pool that session pins may hold together (the oldest pins go first)"})
     program_scheduling: str = field(default="attained", metadata={"help": "Among waiting requests, programs (session_id) served least go first, the schedule policy's order within a level (managers/program_service.py); off: the policy alone", "choices": PROGRAM_SCHEDULINGS})
     program_service_quantum: int = field(default=2048, metadata={"help": "Tokens computed for a program before it drops from priority level 0; each doubling is one level more"})
-    enable_in_batch_prefix_dedup: bool = field(default=True, metadata={"help": "Hold back requests whose shared prefix is being computed"})
+    enable_in_batch_prefix_dedup: bool = field(default=True, metadata={"help": "Compute a prefix shared by requests of one prefill batch once (see --disable-in-batch-prefix-sharing)"})
+    disable_in_batch_prefix_sharing: bool = field(default=False, metadata={"help": "With in-batch prefix dedup, hold a request back a round until the prefix it shares with an admitted request is cached, instead of reading that request's KV in the same forward"})
 
     # Runtime
     attention_backend: str = field(default="torch_native", metadata={"help": "Attention kernels", "choices": ATTENTION_BACKENDS})

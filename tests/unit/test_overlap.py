@@ -239,8 +239,8 @@ def test_a_cache_flush_that_drains_the_last_step_reports_it(engine):
 
 
 def _run_pipelined(engine, overlap: bool, return_logprob: list[bool]):
-    """The six prompts (the first three share a 40-token prefix, so in-batch dedup holds two of them back for a
-    second prefill batch): results, and per pipelined prefill whether a step was in flight at its launch."""
+    """The six prompts (the first three share a 40-token prefix: in-batch dedup shares it within one batch, or holds
+    two of them back for a second): results, and per pipelined prefill whether a step was in flight at its launch."""
     sched = engine.scheduler
     engine.flush_cache()
     decoder = OverlapDecoder(sched) if overlap else None
@@ -265,11 +265,29 @@ def _run_pipelined(engine, overlap: bool, return_logprob: list[bool]):
             for o, m in zip(out, meta)], launches
 
 
-def test_prefill_batches_are_pipelined(engine):
+@pytest.fixture(scope="module")
+def held_back_engine(tiny_gqa_dir):
+    """In-batch dedup holding requests back a round (no in-batch sharing): two prefill batches to pipeline."""
+    yield from _engine(tiny_gqa_dir, disable_in_batch_prefix_sharing=True)
+
+
+def test_prefill_with_in_batch_sharing_is_pipelined(engine):
+    """The requests sharing a prefix with an admitted one read its new KV in the same batch, which is sampled in
+    flight; tokens, finish reasons and cache hits equal the synchronous loop's."""
+    plain = [False] * 6
+    sync, _ = _run_pipelined(engine, False, plain)
+    lagged, launches = _run_pipelined(engine, True, plain)
+    assert lagged == sync
+    assert [c for _, _, c, _ in sync[1:3]] == [40, 40], "the sharers did not read the shared prefix"
+    assert len(launches) == 1 and len(launches[0][1]) == 6, launches  # one batch, every first token in flight
+
+
+def test_prefill_batches_are_pipelined(held_back_engine):
     """A prefill batch of plain requests is sampled in flight: the batch held back behind its shared prefix is
     planned and launched before the first batch's tokens reach the host, and still hits that prefix; the tokens,
     finish reasons and cache hits equal the synchronous loop's."""
     plain = [False] * 6
+    engine = held_back_engine
     sync, _ = _run_pipelined(engine, False, plain)
     lagged, launches = _run_pipelined(engine, True, plain)
     assert lagged == sync
@@ -278,9 +296,10 @@ def test_prefill_batches_are_pipelined(engine):
     assert all(n == 0 for _, lens in launches for n in lens)  # no first token was on the host at launch
 
 
-def test_prefill_with_logprobs_is_not_pipelined(engine):
+def test_prefill_with_logprobs_is_not_pipelined(held_back_engine):
     """A batch with a request that wants logprobs samples on the host (after draining the step in flight); the
     results still equal the synchronous loop's, logprobs included."""
+    engine = held_back_engine
     mixed = [False, True, False, False, False, False]  # request 1 is in the held-back batch
     sync, _ = _run_pipelined(engine, False, mixed)
     lagged, launches = _run_pipelined(engine, True, mixed)

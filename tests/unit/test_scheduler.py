@@ -295,10 +295,12 @@ def shared_uncached_workload(n: int = 4, prefix_len: int = 128, suffix_len: int 
     return [(prefix + rand_ids(rng, suffix_len), {"max_new_tokens": 1}) for _ in range(n)]
 
 
+@pytest.mark.parametrize("sharing", [True, False], ids=["shared_in_batch", "held_back"])
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
-def test_in_batch_prefix_dedup_computes_shared_prefix_once(make_sched, policy):
+def test_in_batch_prefix_dedup_computes_shared_prefix_once(make_sched, policy, sharing):
     work = shared_uncached_workload()
-    on = make_sched(schedule_policy=policy, enable_in_batch_prefix_dedup=True, max_total_tokens=2048)
+    on = make_sched(schedule_policy=policy, enable_in_batch_prefix_dedup=True, max_total_tokens=2048,
+                    disable_in_batch_prefix_sharing=not sharing)
     off = make_sched(schedule_policy=policy, enable_in_batch_prefix_dedup=False, max_total_tokens=2048)
     outs_on, outs_off = run_workload(on, work), run_workload(off, work)
     assert outs_on == outs_off
@@ -306,10 +308,67 @@ def test_in_batch_prefix_dedup_computes_shared_prefix_once(make_sched, policy):
     # Off: all four in one batch, each computing the 128-token prefix: 4 * 144 tokens, nothing cached.
     assert s_off["num_forward_tokens"] == 4 * 144 and s_off["num_cached_tokens"] == 0
     assert s_off["num_prefill_batches"] == 1
-    # On: one request computes the prefix, the other three are held back one round and hit it.
+    # On: one request computes the prefix, the other three read it: in the same forward (sharing) or held back a
+    # round to hit it in the tree.
     assert s_on["num_forward_tokens"] == 144 + 3 * 16, s_on
     assert s_on["num_cached_tokens"] == 3 * 128
-    assert s_on["num_prefill_batches"] == 2, s_on
+    assert s_on["num_prefill_batches"] == (1 if sharing else 2), s_on
+    assert s_on["num_borrowed_prefix_tokens"] == (3 * 128 if sharing else 0)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_in_batch_sharing_chains_and_nested_prefixes(make_sched, page_size):
+    """Requests that share a header and, two by two, a longer context behind it (HellaSwag's shape), one of them a
+    prefix of another, with cached parts from an earlier request: one prefill batch, each shared token computed
+    once, the tokens of the reference without any cache."""
+    rng = random.Random(5)
+    header = rand_ids(rng, 80)  # 40 of it cached by the warm-up, 40 (>= the dedup window) shared uncached
+    contexts = [header + rand_ids(rng, 43) for _ in range(3)]
+    warm = [(header[:40] + rand_ids(rng, 9), {"max_new_tokens": 2, "ignore_eos": True})]
+    work = [(c + rand_ids(rng, rng.randint(3, 20)), {"max_new_tokens": 3, "ignore_eos": True})
+            for c in contexts for _ in range(2)]
+    # A prefix of another's prompt, arriving after it (a request borrows from the latest admitted sharer).
+    work.insert(1, (work[0][0][:-2], {"max_new_tokens": 3, "ignore_eos": True}))
+    reference = run_workload(make_sched(disable_radix_cache=True, page_size=page_size), warm + work)
+    sched = make_sched(page_size=page_size)
+    run_workload(sched, warm)
+    before = sched.get_stats()
+    assert run_workload(sched, work) == reference[len(warm):]
+    after = sched.get_stats()
+    assert after["num_prefill_batches"] - before["num_prefill_batches"] == 1
+    assert after["num_borrowed_prefix_tokens"] > 0
+    computed = after["num_forward_tokens"] - before["num_forward_tokens"]
+    decoded = sum(p["max_new_tokens"] - 1 for _, p in work)
+    distinct = len({tuple(ids[:i + 1]) for ids, _ in work for i in range(len(ids))})
+    # Each distinct uncached token once, plus the last token of the request whose prompt is another's prefix
+    # (its logits are sampled); with pages, each borrower's own part starts on a page boundary.
+    cached_before = 40 - 40 % page_size
+    expected = distinct - cached_before + 1
+    if page_size == 1:
+        assert computed - decoded == expected, (computed, decoded, expected)
+    else:
+        assert expected <= computed - decoded <= expected + len(work) * (page_size - 1), (computed, decoded, expected)
+
+
+def test_in_batch_sharing_requeues_borrowers_of_a_failed_request(make_sched):
+    """The request whose new KV the others borrowed fails in the forward: it alone fails; the borrowers go back
+    to the queue (their borrowed slots were its, and are freed) and finish with the tokens of a clean run."""
+    from sglang_backend.runtime.managers.fault_injection import FaultInjector, FaultRule
+
+    work = shared_uncached_workload()
+    poison = 1
+    work[0] = (work[0][0][:-1] + [poison], work[0][1])  # only the first (the lender) holds the token
+    assert all(poison not in ids for ids, _ in work[1:])
+    clean = run_workload(make_sched(max_total_tokens=2048), work[1:])
+    sched = make_sched(max_total_tokens=2048)
+    sched.fault_injector = FaultInjector([FaultRule("raise", poison)])
+    reqs = [new_req(sched, f"r{i}", ids, **params) for i, (ids, params) in enumerate(work)]
+    for r in reqs:
+        sched.add_request(r)
+    drain(sched)
+    assert reqs[0].finished_reason["type"] == "abort" and reqs[0].finished_reason["status_code"] == 500
+    assert [r.output_ids for r in reqs[1:]] == clean
+    assert all(r.finished_reason["type"] == "length" for r in reqs[1:])
 
 
 @pytest.mark.parametrize("policy", ["lpm", "fcfs", "random"])

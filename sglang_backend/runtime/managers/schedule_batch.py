@@ -74,6 +74,9 @@ class Req:
         self.kv_len = 0
         self.extend_input_len = 0  # tokens computed in the current extend step
         self.is_chunked = False  # prompt only partly computed; continues next step
+        # In-batch prefix sharing: (the request of this prefill batch whose new KV slots this one reads as part of
+        # its prefix, how much of the prefix is the tree's own); set at admission, cleared once both are cached.
+        self.borrowed: tuple[Req, int] | None = None
 
         # Accounting.
         self.cached_tokens = 0
@@ -172,6 +175,7 @@ class Req:
         self.last_host_node = None
         self.kv_len = 0
         self.is_chunked = False
+        self.borrowed = None
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, in={len(self.origin_input_ids)}, out={len(self.output_ids)}, kv={self.kv_len})"

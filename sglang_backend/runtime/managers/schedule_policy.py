@@ -140,10 +140,16 @@ class InBatchPrefixIndex:
             table.setdefault((req.extra_key, tuple(_ids_through(req, need)[start:])), []).append(req)
 
     def shares_uncached_prefix(self, req: Req) -> bool:
+        return self.sharer(req) is not None
+
+    def sharer(self, req: Req) -> Req | None:
+        """An admitted request whose prompt goes on like ``req``'s for at least IN_BATCH_DEDUP_MIN_TOKENS ids past
+        ``req``'s cached prefix, or None: the latest admitted such one, which in arrival order is usually the one
+        sharing the most (the endings of one question after another's; comparing them all would cost O(n^2))."""
         start = len(req.prefix_indices)
         need = start + IN_BATCH_DEDUP_MIN_TOKENS
         if req.seq_len < need or not self.reqs:
-            return False
+            return None
         table = self.by_start.get(start)
         if table is None:
             table = self.by_start[start] = {}
@@ -151,7 +157,7 @@ class InBatchPrefixIndex:
                 self._put(table, start, other)
         head = _ids_through(req, need)
         candidates = table.get((req.extra_key, tuple(head[start:])), ())
-        return any(_ids_through(other, need) == head for other in candidates)
+        return next((other for other in reversed(candidates) if _ids_through(other, need) == head), None)
 
 
 _DECODED = object()  # trie mark: this prefix's last token was produced by decoding, not by a prompt

@@ -109,6 +109,7 @@ class SchedulerStats:
     num_decode_batches: int = 0
     num_mixed_batches: int = 0  # prefill batches that also decoded the running requests (enable_mixed_chunk)
     num_forward_tokens: int = 0
+    num_borrowed_prefix_tokens: int = 0  # cached tokens read from another request of the same prefill batch
     num_retractions: int = 0
     num_jump_forward: int = 0
     num_jump_forward_tokens: int = 0
@@ -452,11 +453,16 @@ class Scheduler:
             self.stats.tree_op_seconds += time.perf_counter() - t0
         if self._host_loads() and self.tree_cache.loading_on_path(req.last_node):
             return True  # its prefix is still copying back from the host: a later round takes it
-        # Held back a round to hit the prefix an admitted request computes; not a request that reuses no cached
-        # prefix (mean-pooled embeddings compute every token), which would only wait for nothing.
-        if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted \
-                and req.max_prefix_len() > 0 and plan.admitted_prefixes.shares_uncached_prefix(req):
-            return True
+        # A prefix an admitted request computes in this batch is computed once: the request reads that request's
+        # new KV as part of its prefix (in-batch sharing), else it is held back a round to hit it in the tree. Not
+        # a request that reuses no cached prefix (mean-pooled embeddings compute every token).
+        borrowed = None
+        if sa.enable_in_batch_prefix_dedup and not self.tree_cache.disable and admitted and req.max_prefix_len() > 0:
+            lender = plan.admitted_prefixes.sharer(req)
+            if lender is not None:
+                borrowed = self._borrow_prefix(req, lender)
+                if borrowed is None:
+                    return True
         if self.host_tier:
             # A session pin gives way to a waiting request that does not fit: its KV survives in host memory.
             while self._memory_short(plan, req) and self._release_pin_for_memory():
@@ -479,6 +485,9 @@ class Scheduler:
                 req.req_pool_idx = None
             req.is_chunked = False
             return False
+        req.borrowed = borrowed
+        if borrowed is not None:
+            self.stats.num_borrowed_prefix_tokens += prefix_len - borrowed[1]
         if not req.admitted_before:  # retracted / jump-forwarded requests come back; count them once
             req.admitted_before = True
             req.cached_tokens = prefix_len
@@ -487,6 +496,41 @@ class Scheduler:
             if req.session_id is not None and self.session_pins is not None:
                 self.session_pins.on_admitted(req.session_id, prefix_len)
         return True
+
+    def _borrow_prefix(self, req: Req, lender: Req) -> tuple[Req, int] | None:
+        """In-batch prefix sharing: ``req``'s prefix becomes ``lender``'s slots (its cached prefix and the slots
+        this batch computes) as far as their ids agree; ``(lender, tree prefix length)``, or None to hold ``req``
+        back a round instead. Each layer stores the whole batch's K/V before attending, so ``req`` reads the
+        lender's new KV in the same forward. Until both are cached in the tree right after the forward
+        (``_cache_borrowed``), those slots are the lender's own: ``req`` locks only its tree prefix."""
+        if (self.server_args.disable_in_batch_prefix_sharing or not isinstance(self.tree_cache, RadixCache)
+                or lender.is_chunked or req.last_host_node is not None):
+            return None  # a chunk stops short of the shared part; a host hit is loaded back first
+        tree_len = len(req.prefix_indices)
+        mine = req.all_ids[: req.max_prefix_len()]
+        theirs = lender.all_ids[: lender.kv_len]
+        n = min(len(mine), len(theirs))
+        shared = n if mine[:n] == theirs[:n] else next(i for i in range(n) if mine[i] != theirs[i])
+        shared -= shared % self.page_size  # the request's own tokens start on a page boundary
+        row = self.req_to_token_pool.req_to_token[lender.req_pool_idx]
+        if shared <= tree_len or not torch.equal(row[:tree_len], req.prefix_indices):
+            return None
+        req.prefix_indices = row[:shared].clone()
+        return lender, tree_len
+
+    def _cache_borrowed(self, batch: ScheduleBatch) -> None:
+        """After the forward of a batch with in-batch prefix sharing: the lenders' and borrowers' prompts go to the
+        tree in batch order (a lender was admitted before its borrowers), so the borrowed slots become the tree's,
+        locked by each borrower, before any of them can finish or be evicted."""
+        borrowers = [r for r in batch.reqs if r.borrowed is not None]
+        if not borrowers:
+            return
+        lenders = {id(r.borrowed[0]) for r in borrowers}
+        for req in batch.reqs:
+            if (req.borrowed is not None or id(req) in lenders) and not req.finished():
+                self._cache_unfinished(req)
+        for req in borrowers:
+            req.borrowed = None
 
     def _memory_short(self, plan: PrefillPlan, req: Req) -> bool:
         """Whether the request's uncached tokens plus the batch's decode reservation exceed the device memory that
@@ -630,6 +674,7 @@ class Scheduler:
         prompt_tokens = sum(e for r, e in zip(batch.reqs, batch.extend_lens) if id(r) not in running)
         self.stats.max_prefill_batch_tokens = max(self.stats.max_prefill_batch_tokens, prompt_tokens)
         batch, logits = self._forward_contained(batch)
+        self._cache_borrowed(batch)
         if self.overlap is not None:
             if batch.reqs and self.overlap.takes_prefill(batch.reqs, batch.logit_rows, running):
                 sampled = []
@@ -864,19 +909,35 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - contained below; unrelated bugs still surface in the log
             logger.exception("forward of a batch of %d failed; isolating the failing request(s)", len(batch.reqs))
             first_error = e
-        kept, parts = [], []
+        kept, parts, dropped = [], [], set()
         for sub in split_batch(batch) if len(batch.reqs) > 1 else []:
+            req = sub.reqs[0]
+            if req.borrowed is not None and id(req.borrowed[0]) in dropped:
+                dropped.add(id(req))  # its prefix was that request's new KV, freed with it: planned again
+                self._requeue_borrower(req)
+                continue
             try:
                 parts.append(self._forward(sub))
                 kept.append(sub)
             except Exception as e:  # noqa: BLE001
-                self.fail_request(sub.reqs[0], f"the model failed on this request ({type(e).__name__})",
+                dropped.add(id(req))
+                self.fail_request(req, f"the model failed on this request ({type(e).__name__})",
                                    decode_slot=batch.forward_mode.is_decode())
         if len(batch.reqs) == 1:
             self.fail_request(batch.reqs[0], f"the model failed on this request ({type(first_error).__name__})",
                                decode_slot=batch.forward_mode.is_decode())
         logits = torch.cat(parts) if parts else torch.empty(0, self.model_runner.vocab_size, device=self.device)
         return merge_batches(kept, batch.forward_mode), logits
+
+    def _requeue_borrower(self, req: Req) -> None:
+        """A request whose lender (in-batch prefix sharing) failed: its own new slots are freed, its tree prefix
+        unlocked, and it waits to be planned again, as if never admitted (nothing of it was sent yet)."""
+        n_prefix = len(req.prefix_indices)
+        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, n_prefix : req.kv_len].clone())
+        req.prefix_indices, req.borrowed = req.prefix_indices[: req.borrowed[1]], None
+        self.tree_cache.cache_finished_req(req, req.all_ids[: len(req.prefix_indices)])  # unlocks, frees the row
+        req.reset_kv_state()
+        self.waiting_queue.append(req)
 
     def fail_request(self, req: Req, message: str, decode_slot: bool = False) -> None:
         """Ends one request with an internal error. Its own KV may be garbage, so it is freed, never shared
@@ -889,6 +950,9 @@ class Scheduler:
             n_prefix = len(req.prefix_indices)
             end = req.kv_len + (1 if decode_slot else 0)
             self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, n_prefix:end].clone())
+            if req.borrowed is not None:  # the borrowed part of its prefix is the lender's to free or cache
+                req.prefix_indices, req.borrowed = req.prefix_indices[: req.borrowed[1]], None
+                n_prefix = len(req.prefix_indices)
             self.tree_cache.cache_finished_req(req, req.all_ids[:n_prefix])  # unlocks the prefix, frees the row
         self.stats.num_aborted += 1
         self.pending_outputs.append(req)
@@ -1180,6 +1244,7 @@ class Scheduler:
             "num_decode_batches": s.num_decode_batches,
             "num_mixed_batches": s.num_mixed_batches,
             "num_forward_tokens": s.num_forward_tokens,
+            "num_borrowed_prefix_tokens": s.num_borrowed_prefix_tokens,
             "num_retractions": s.num_retractions,
             "num_jump_forward": s.num_jump_forward,
             "num_jump_forward_tokens": s.num_jump_forward_tokens,
