@@ -109,9 +109,31 @@ class SchedulePolicy:
         return ordered + [r for r in waiting if id(r) not in seen]
 
 
+def ids_through(req: Req, need: int) -> list[int]:
+    """A list whose first ``need`` ids are the request's (the prompt, then any output: a retracted request's prompt
+    grew); the prompt itself, uncopied, when it is long enough."""
+    return req.origin_input_ids if len(req.origin_input_ids) >= need else req.all_ids
+
+
 def _ids_through(req: Req, need: int) -> list[int]:
-    """The request's first ``need`` token ids (the prompt, then any output: a retracted request's prompt grew)."""
-    return (req.origin_input_ids if len(req.origin_input_ids) >= need else req.all_ids)[:need]
+    """The request's first ``need`` token ids."""
+    return ids_through(req, need)[:need]
+
+
+COMMON_SCAN_BLOCK = 64
+
+
+def common_len(a: list[int], b: list[int], start: int, end: int) -> int:
+    """How many ids from ``start`` on ``a`` and ``b`` share, up to ``end``: slices compared in C, the first
+    differing block then id by id."""
+    if a[start:end] == b[start:end]:
+        return max(end - start, 0)
+    i = start
+    while end - i > COMMON_SCAN_BLOCK and a[i : i + COMMON_SCAN_BLOCK] == b[i : i + COMMON_SCAN_BLOCK]:
+        i += COMMON_SCAN_BLOCK
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i - start
 
 
 class InBatchPrefixIndex:

@@ -36,7 +36,7 @@ from .io_struct import AbortReq, ControlOut, ControlReq, SchedulerFailed, Schedu
 from .overlap import OverlapDecoder
 from .program_service import ProgramService
 from .schedule_batch import Req, ScheduleBatch, finish_abort, finish_length, finish_stop
-from .schedule_policy import InBatchPrefixIndex, SchedulePolicy
+from .schedule_policy import InBatchPrefixIndex, SchedulePolicy, common_len, ids_through
 from .scheduler_output import OutputCollector
 from .validation import ModelLimits
 
@@ -507,30 +507,32 @@ class Scheduler:
                 or lender.is_chunked or req.last_host_node is not None):
             return None  # a chunk stops short of the shared part; a host hit is loaded back first
         tree_len = len(req.prefix_indices)
-        mine = req.all_ids[: req.max_prefix_len()]
-        theirs = lender.all_ids[: lender.kv_len]
-        n = min(len(mine), len(theirs))
-        shared = n if mine[:n] == theirs[:n] else next(i for i in range(n) if mine[i] != theirs[i])
+        n = min(req.max_prefix_len(), lender.kv_len)
+        shared = tree_len + common_len(ids_through(req, n), ids_through(lender, n), tree_len, n)
         shared -= shared % self.page_size  # the request's own tokens start on a page boundary
         row = self.req_to_token_pool.req_to_token[lender.req_pool_idx]
-        if shared <= tree_len or not torch.equal(row[:tree_len], req.prefix_indices):
+        # Both tree prefixes are the same path's slots; its last one agreeing says so (a tree slot is one node's).
+        if shared <= tree_len or tree_len and int(row[tree_len - 1]) != int(req.prefix_indices[tree_len - 1]):
             return None
         req.prefix_indices = row[:shared].clone()
         return lender, tree_len
 
-    def _cache_borrowed(self, batch: ScheduleBatch) -> None:
+    def _cache_borrowed(self, batch: ScheduleBatch) -> set[int]:
         """After the forward of a batch with in-batch prefix sharing: the lenders' and borrowers' prompts go to the
         tree in batch order (a lender was admitted before its borrowers), so the borrowed slots become the tree's,
-        locked by each borrower, before any of them can finish or be evicted."""
+        locked by each borrower, before any of them can finish or be evicted. Returns the ids of those cached."""
         borrowers = [r for r in batch.reqs if r.borrowed is not None]
         if not borrowers:
-            return
+            return set()
         lenders = {id(r.borrowed[0]) for r in borrowers}
+        cached = set()
         for req in batch.reqs:
             if (req.borrowed is not None or id(req) in lenders) and not req.finished():
                 self._cache_unfinished(req)
+                cached.add(id(req))
         for req in borrowers:
             req.borrowed = None
+        return cached
 
     def _memory_short(self, plan: PrefillPlan, req: Req) -> bool:
         """Whether the request's uncached tokens plus the batch's decode reservation exceed the device memory that
@@ -674,12 +676,13 @@ class Scheduler:
         prompt_tokens = sum(e for r, e in zip(batch.reqs, batch.extend_lens) if id(r) not in running)
         self.stats.max_prefill_batch_tokens = max(self.stats.max_prefill_batch_tokens, prompt_tokens)
         batch, logits = self._forward_contained(batch)
-        self._cache_borrowed(batch)
+        cached = self._cache_borrowed(batch)
         if self.overlap is not None:
             if batch.reqs and self.overlap.takes_prefill(batch.reqs, batch.logit_rows, running):
                 sampled = []
                 for req in batch.reqs:
-                    self._cache_unfinished(req)  # share the prompt's KV with the batches planned meanwhile
+                    if id(req) not in cached:
+                        self._cache_unfinished(req)  # share the prompt's KV with the batches planned meanwhile
                     if req.is_chunked:
                         self.chunked_req = req  # its next chunk comes first in the next batch
                     else:
