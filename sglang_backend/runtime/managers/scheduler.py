@@ -494,7 +494,8 @@ class Scheduler:
             self.stats.num_prompt_tokens += len(req.origin_input_ids)
             self.stats.num_cached_tokens += prefix_len
             if req.session_id is not None and self.session_pins is not None:
-                self.session_pins.on_admitted(req.session_id, prefix_len)
+                # what the tree held for it (a borrowed part was computed in this batch, not kept by a pin)
+                self.session_pins.on_admitted(req.session_id, borrowed[1] if borrowed else prefix_len)
         return True
 
     def _borrow_prefix(self, req: Req, lender: Req) -> tuple[Req, int] | None:
