@@ -518,22 +518,19 @@ class Scheduler:
         req.prefix_indices = row[:shared].clone()
         return lender, tree_len
 
-    def _cache_borrowed(self, batch: ScheduleBatch) -> set[int]:
+    def _cache_borrowed(self, batch: ScheduleBatch) -> None:
         """After the forward of a batch with in-batch prefix sharing: the lenders' and borrowers' prompts go to the
         tree in batch order (a lender was admitted before its borrowers), so the borrowed slots become the tree's,
-        locked by each borrower, before any of them can finish or be evicted. Returns the ids of those cached."""
+        locked by each borrower, before any of them can finish or be evicted."""
         borrowers = [r for r in batch.reqs if r.borrowed is not None]
         if not borrowers:
-            return set()
+            return
         lenders = {id(r.borrowed[0]) for r in borrowers}
-        cached = set()
         for req in batch.reqs:
             if (req.borrowed is not None or id(req) in lenders) and not req.finished():
                 self._cache_unfinished(req)
-                cached.add(id(req))
         for req in borrowers:
             req.borrowed = None
-        return cached
 
     def _memory_short(self, plan: PrefillPlan, req: Req) -> bool:
         """Whether the request's uncached tokens plus the batch's decode reservation exceed the device memory that
@@ -677,13 +674,12 @@ class Scheduler:
         prompt_tokens = sum(e for r, e in zip(batch.reqs, batch.extend_lens) if id(r) not in running)
         self.stats.max_prefill_batch_tokens = max(self.stats.max_prefill_batch_tokens, prompt_tokens)
         batch, logits = self._forward_contained(batch)
-        cached = self._cache_borrowed(batch)
+        self._cache_borrowed(batch)
         if self.overlap is not None:
             if batch.reqs and self.overlap.takes_prefill(batch.reqs, batch.logit_rows, running):
                 sampled = []
                 for req in batch.reqs:
-                    if id(req) not in cached:
-                        self._cache_unfinished(req)  # share the prompt's KV with the batches planned meanwhile
+                    self._cache_unfinished(req)  # share the prompt's KV with the batches planned meanwhile
                     if req.is_chunked:
                         self.chunked_req = req  # its next chunk comes first in the next batch
                     else:
@@ -1175,6 +1171,8 @@ class Scheduler:
 
     # KV hand-off to the tree ------------------------------------------------------------------------------
     def _cache_unfinished(self, req: Req) -> None:
+        if len(req.prefix_indices) >= req.kv_len - req.kv_len % self.page_size:
+            return  # already the tree's, up to its last whole page (in-batch sharing caches a batch's early)
         t0 = time.perf_counter()
         self.tree_cache.cache_unfinished_req(req, req.all_ids[: req.kv_len])
         self.stats.tree_op_seconds += time.perf_counter() - t0
