@@ -695,3 +695,27 @@ def test_a_request_that_does_not_fit_is_not_left_marked_chunked(make_sched):
     assert req.is_chunked is False
     roomy = PrefillPlan(chunk_budget=16, input_budget=4096, decode_reserve=0, logprob_budget=1 << 20)
     assert sched._fit_extend(roomy, req, 0) == 16 and req.is_chunked is True  # a planned chunk is flagged
+
+
+def test_common_len_matches_an_id_by_id_scan():
+    """The block-doubling / halving comparison used by in-batch sharing agrees with the plain scan, wherever the
+    lists part (or not at all), from any start to any end."""
+    from sglang_backend.runtime.managers.schedule_policy import common_len
+
+    rng = random.Random(1)
+    for _ in range(5000):
+        n = rng.randint(0, 600)
+        a = [rng.randint(0, 3) for _ in range(n)]
+        b = list(a)
+        if n and rng.random() < 0.8:
+            k = rng.randrange(n)
+            b[k] += 1
+        if rng.random() < 0.2:
+            b = b[: rng.randint(0, n)]
+        m = min(len(a), len(b))
+        start = rng.randint(0, m)
+        end = rng.randint(start, m)
+        expected = 0
+        while start + expected < end and a[start + expected] == b[start + expected]:
+            expected += 1
+        assert common_len(a, b, start, end) == expected, (start, end)

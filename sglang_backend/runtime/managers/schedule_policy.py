@@ -120,18 +120,24 @@ def _ids_through(req: Req, need: int) -> list[int]:
     return ids_through(req, need)[:need]
 
 
-COMMON_SCAN_BLOCK = 64
-
-
 def common_len(a: list[int], b: list[int], start: int, end: int) -> int:
-    """How many ids from ``start`` on ``a`` and ``b`` share, up to ``end``: slices compared in C, the first
-    differing block then id by id."""
-    if a[start:end] == b[start:end]:
+    """How many ids from ``start`` on ``a`` and ``b`` share, up to ``end``: slices compared in C, in blocks that
+    double while they agree, then the first differing block halved down to 8 ids, then id by id."""
+    i, step = start, 64
+    while i < end:
+        j = min(i + step, end)
+        if a[i:j] != b[i:j]:
+            break
+        i, step = j, step * 2
+    else:
         return max(end - start, 0)
-    i = start
-    while end - i > COMMON_SCAN_BLOCK and a[i : i + COMMON_SCAN_BLOCK] == b[i : i + COMMON_SCAN_BLOCK]:
-        i += COMMON_SCAN_BLOCK
-    while i < end and a[i] == b[i]:
+    while j - i > 8:  # a[i:j] differs somewhere: keep the half that does
+        mid = (i + j) // 2
+        if a[i:mid] == b[i:mid]:
+            i = mid
+        else:
+            j = mid
+    while i < j and a[i] == b[i]:
         i += 1
     return i - start
 

@@ -635,8 +635,8 @@ class Scheduler:
         return self.allocator.alloc_extend(last_loc, need)
 
     def _last_loc(self, req: Req) -> int:
-        if req.kv_len == 0:
-            return -1
+        if req.kv_len == 0 or self.page_size == 1:
+            return -1  # one-token pages: the allocator does not continue the last one (alloc_extend)
         return int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len - 1])
 
     def _alloc_extend(self, req: Req, extend_len: int) -> bool:
