@@ -85,6 +85,36 @@ def test_one_row_nibble_pairs_round_like_float_products(gguf_type):
 
 
 @needs_kernels
+@pytest.mark.parametrize("gguf_type", TYPES)
+def test_wide_tiles_equal_the_256_bit_tiles(gguf_type):
+    """Several activation rows on an AVX-512 CPU take gemm_rows_wide (gguf_blocks.c): two 256-bit tiles' FMAs side
+    by side, so every output is bit for bit the 256-bit path's, for any tail of weight rows (groups of 6, whole
+    8-row chunks per thread) and of activation rows (tiles of 8), and both equal the dequantized float matmul."""
+    kernels, code = native.kernels(), gguf_quant.FORMATS[gguf_type][0]
+    if not kernels.gguf_matmul_isa(-1):
+        pytest.skip("this CPU has no AVX-512: gguf_matmul takes the 256-bit tiles only")
+    gen = torch.Generator().manual_seed(11)
+    for rows, in_features in ((37, 96), (6, 64), (13, 576), (203, 1536), (1, 288)):
+        rows, in_features = _weight_shape(gguf_type, rows, in_features)
+        blocks = _random_blocks(gguf_type, rows, in_features, gen)
+        reference = gguf_quant._reference_dequantize(blocks, gguf_type, in_features)
+        for m in (2, 3, 7, 8, 9, 16, 17, 31, 32):
+            x = torch.randn(m, in_features, generator=gen)
+            outs = []
+            for wide in (1, 0):
+                y = torch.full((m, rows), float("nan"))
+                try:
+                    assert kernels.gguf_matmul_isa(wide) == wide
+                    kernels.gguf_matmul(code, x.data_ptr(), m, in_features, blocks.data_ptr(), rows, y.data_ptr(), 2)
+                finally:
+                    kernels.gguf_matmul_isa(1)
+                outs.append(y)
+            assert torch.equal(outs[0], outs[1]), (rows, in_features, m)
+            want = x @ reference.T
+            torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-4 * max(1.0, want.abs().max().item()))
+
+
+@needs_kernels
 @pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
 def test_matmul_same_for_any_thread_count(gguf_type):
     """The worker pool hands out chunks of rows (thread_pool.c): every row is computed once, the same way, whatever
