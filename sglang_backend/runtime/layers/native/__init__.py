@@ -124,7 +124,7 @@ _SIGNATURES = {
     "gguf_matmul_q8": "tpiipipt",
     "gguf_quantize_q8": "piippp",
     "decoder_one_token": "piiiiipppppppfptt",
-    "gguf_matmul_isa": "t",
+    "native_wide": "t",
 }
 _CTYPES = {"i": ctypes.c_int64, "p": ctypes.c_void_p, "f": ctypes.c_float, "t": ctypes.c_int}
 

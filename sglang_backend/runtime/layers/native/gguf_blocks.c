@@ -407,7 +407,6 @@ static inline __attribute__((always_inline)) void gemm_rows(int type, const floa
  * registers hold WIDE_PAIRS row pairs x WIDE_ROWS activation rows (24 accumulators; 11 loads per 24 FMAs). The
  * pairs' rows are decoded into buf interleaved by 8 floats (decode_row's step 16). */
 
-#define WIDE_TARGET __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
 enum { WIDE_PAIRS = 3, WIDE_ROWS = 8 };
 
 /* Q4_0, Q4_1, Q5_0, Q5_1: a block's 32 int8 quants (byte j: column j), as block_chunk passes them to make_chunk. */
@@ -483,19 +482,20 @@ static inline WIDE_TARGET __attribute__((always_inline)) void gemm_rows_wide(int
     }
 }
 
-/* Whether gguf_matmul may take gemm_rows_wide: the CPU (and OS) run AVX-512, unless gguf_matmul_isa said not. */
+/* Whether the kernels take their AVX-512 paths (gemm_rows_wide here, attend_group in paged_attention.c): the CPU
+ * (and OS) run AVX-512, unless native_wide said not. */
 static int wide_allowed = 1;
 
-static int wide_gemm(void) {
+int wide_paths(void) {
     return wide_allowed && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")
            && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
 }
 
-/* The tile path gguf_matmul takes for several rows: request 0 the 256-bit one (tests compare the two), 1 the
- * widest the CPU runs, -1 unchanged. Returns 1 when that is the AVX-512 one, else 0. */
-int gguf_matmul_isa(int request) {
+/* request 0: the 256-bit paths only (tests compare the two, bit for bit), 1: the widest the CPU runs, -1: unchanged.
+ * Returns 1 when the AVX-512 paths are taken now, else 0. */
+int native_wide(int request) {
     if (request >= 0) wide_allowed = request;
-    return wide_gemm();
+    return wide_paths();
 }
 
 /* K is a whole number of blocks of a known type. */
@@ -564,7 +564,7 @@ int gguf_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *w
     }
     if (strided) stride_columns(x, M, K, scratch + sums);
     struct matmul_job job = {type, strided ? scratch + sums : x, scratch, M, K, N, w, y};
-    parallel_for(threads, (N + 7) / 8, M > 1 && wide_gemm() ? matmul_part_wide : matmul_part, &job);
+    parallel_for(threads, (N + 7) / 8, M > 1 && wide_paths() ? matmul_part_wide : matmul_part, &job);
     free(scratch);
     return 0;
 }
