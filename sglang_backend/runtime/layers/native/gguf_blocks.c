@@ -429,19 +429,29 @@ static inline __m256i block_quants(int type, const uint8_t *b) {
     }
 }
 
-/* Whether two rows decode at once in 512-bit vectors (decode_pair): the 32-column formats in lane order. */
+/* Whether two rows decode at once in 512-bit vectors (decode_pair): the 32-column formats. */
 static inline int pair_decodes(int type) {
-    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1;
+    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0;
 }
 
 /* Rows a and b into gemm_rows_wide's interleaved buffer, as decode_row(..., 16) of each would put them (the same
- * per-lane operations: make_chunk's shifts and conversion, d * q, + m), one 512-bit vector for both rows' 8
- * columns: half the instructions of two decode_row calls, which at 16 activation rows took as long as the FMAs. */
+ * per-lane operations: make_chunk's shifts and conversion, d * q, + m; Q8_0 as q8_0_chunk), one 512-bit vector
+ * for both rows' 8 columns: half the instructions of two decode_row calls, which at 16 activation rows took about
+ * as long as the FMAs. */
 static inline WIDE_TARGET __attribute__((always_inline)) void decode_pair(int type, const uint8_t *a,
                                                                           const uint8_t *b, int64_t K, float *out) {
     const int bb = block_bytes(type);
     for (int64_t i = 0; i < K / 32; i++) {
         const uint8_t *ba = a + i * bb, *bq = b + i * bb;
+        if (type == GGML_Q8_0) { /* column order, as q8_0_chunk: 8 bytes of each row sign-extended at once */
+            const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(ba)), _mm256_set1_ps(half_to_float(bq)), 1);
+            for (int k = 0; k < 4; k++) {
+                const __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(ba + 2 + 8 * k)),
+                                                     _mm_loadl_epi64((const __m128i *)(bq + 2 + 8 * k)));
+                _mm512_storeu_ps(out + 64 * i + 16 * k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+            }
+            continue;
+        }
         const __m512i q8 = _mm512_inserti64x4(_mm512_castsi256_si512(block_quants(type, ba)), block_quants(type, bq), 1);
         const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(ba)), _mm256_set1_ps(half_to_float(bq)), 1);
         const __m512 m = has_min(type) ? _mm512_insertf32x8(_mm512_set1_ps(half_to_float(ba + 2)),
