@@ -31,8 +31,9 @@
  * Activations stay float32 by default (the result equals a float32 matmul with the dequantized weight up to float
  * rounding); opt-in, they are quantized to 8 bits as llama.cpp does and multiplied in integers (gguf_matmul_q8, at
  * the end of the file: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 weights). One activation row factors each chunk's scale out
- * (gemv_rows); several rows decode weight rows into a buffer (gemm_rows); embedding lookups and the many-row
- * path dequantize whole rows (dequantize_rows). Output rows are split over the pool's workers (thread_pool.c).
+ * (gemv_rows); several rows decode weight rows into a buffer (gemm_rows; on AVX-512 CPUs gemm_rows_wide, the same
+ * sums bit for bit in 512-bit vectors); embedding lookups and the many-row path dequantize whole rows
+ * (dequantize_rows). Output rows are split over the pool's workers (thread_pool.c).
  */
 #include "native.h"
 
