@@ -196,11 +196,26 @@ class LlamaSide:
         self.threads = threads
         kw = dict(n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
         kw.update(extra)
+        if kw.pop("use_extra_bufts", True) is False:
+            self._no_extra_buffers()
         t0 = time.perf_counter()
         self.llm = self.lc.Llama(model_path=gguf, **kw)
         self.init_s = time.perf_counter() - t0
         self.contexts: dict[str, BatchedContext] = {}
         self.vocab = self.llm.n_vocab()
+
+    def _no_extra_buffers(self) -> None:
+        """``--llamacpp-arg use_extra_bufts=false``: the model's weights in plain CPU buffers, no AMX or repacked
+        copies (``Llama`` has no keyword for it, so its default model params are wrapped). Needed where ggml
+        built -march=native uses AMX tiles that the VM does not grant: the batched prefill dies of SIGILL."""
+        default = self.lc.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        self.lc.llama_cpp.llama_model_default_params = params  # what Llama.__init__ calls
 
     def info(self) -> dict:
         cp = self.llm.context_params

@@ -85,6 +85,36 @@ def test_one_row_nibble_pairs_round_like_float_products(gguf_type):
 
 
 @needs_kernels
+@pytest.mark.parametrize("gguf_type", TYPES)
+def test_wide_tiles_equal_the_256_bit_tiles(gguf_type):
+    """Several activation rows on an AVX-512 CPU take gemm_rows_wide (gguf_blocks.c): two 256-bit tiles' FMAs side
+    by side, so every output is bit for bit the 256-bit path's, for any tail of weight rows (groups of 6, whole
+    8-row chunks per thread) and of activation rows (tiles of 8), and both equal the dequantized float matmul."""
+    kernels, code = native.kernels(), gguf_quant.FORMATS[gguf_type][0]
+    if not kernels.native_wide(-1):
+        pytest.skip("this CPU has no AVX-512: gguf_matmul takes the 256-bit tiles only")
+    gen = torch.Generator().manual_seed(11)
+    for rows, in_features in ((37, 96), (6, 64), (13, 576), (203, 1536), (1, 288)):
+        rows, in_features = _weight_shape(gguf_type, rows, in_features)
+        blocks = _random_blocks(gguf_type, rows, in_features, gen)
+        reference = gguf_quant._reference_dequantize(blocks, gguf_type, in_features)
+        for m in (2, 3, 7, 8, 9, 16, 17, 31, 32):
+            x = torch.randn(m, in_features, generator=gen)
+            outs = []
+            for wide in (1, 0):
+                y = torch.full((m, rows), float("nan"))
+                try:
+                    assert kernels.native_wide(wide) == wide
+                    kernels.gguf_matmul(code, x.data_ptr(), m, in_features, blocks.data_ptr(), rows, y.data_ptr(), 2)
+                finally:
+                    kernels.native_wide(1)
+                outs.append(y)
+            assert torch.equal(outs[0], outs[1]), (rows, in_features, m)
+            want = x @ reference.T
+            torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-4 * max(1.0, want.abs().max().item()))
+
+
+@needs_kernels
 @pytest.mark.parametrize("gguf_type", ["Q4_1", "Q8_0"])
 def test_matmul_same_for_any_thread_count(gguf_type):
     """The worker pool hands out chunks of rows (thread_pool.c): every row is computed once, the same way, whatever
@@ -355,6 +385,43 @@ def test_paged_attention_equals_reference(D, window, cap):
                                      cap, window, out.data_ptr(), 2)
     want = _attention_reference(q, k_buf, v_buf, rows, token_req, token_len, scale, cap, window)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("H,Hkv,D", [(6, 2, 64), (9, 3, 64), (4, 2, 128), (6, 2, 128), (6, 6, 64), (8, 2, 64)])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (7, 0.0), (0, 30.0)])
+def test_grouped_attention_equals_per_head(H, Hkv, D, window, cap):
+    """On AVX-512, groups of 2 or 3 query heads are computed together (paged_attention.c, attend_group): bit for
+    bit the per-head 256-bit result, for key counts that leave remainders of the 8-key steps; other groupings
+    (1, 4 heads) keep the per-head path either way."""
+    kernels = native.kernels()
+    if not kernels.native_wide(-1):
+        pytest.skip("this CPU has no AVX-512: the per-head path only")
+    gen = torch.Generator().manual_seed(H * 1000 + D + window)
+    pool_rows = 900
+    k_buf = torch.randn(pool_rows, Hkv, D, generator=gen)
+    v_buf = torch.randn(pool_rows, Hkv, D, generator=gen)
+    lengths, new = [3, 40, 129, 750], [1, 5, 17, 1]
+    rows = torch.zeros(len(lengths), 800, dtype=torch.int64)
+    for b, n in enumerate(lengths):
+        rows[b, :n] = torch.randperm(pool_rows, generator=gen)[:n]
+    token_req = torch.tensor([b for b, n in enumerate(new) for _ in range(n)])
+    token_len = torch.tensor([total - n + 1 + i for total, n in zip(lengths, new) for i in range(n)])
+    q = torch.randn(len(token_req), H, D, generator=gen)
+    outs = []
+    for wide in (1, 0):
+        out = torch.full_like(q, float("nan"))
+        try:
+            kernels.native_wide(wide)
+            kernels.paged_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), rows.shape[1],
+                                    token_req.data_ptr(), token_len.data_ptr(), len(token_req), H, Hkv, D, D ** -0.5,
+                                    cap, window, out.data_ptr(), 2)
+        finally:
+            kernels.native_wide(1)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    want = _attention_reference(q, k_buf, v_buf, rows, token_req, token_len, D ** -0.5, cap, window)
+    torch.testing.assert_close(outs[0].double(), want, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels

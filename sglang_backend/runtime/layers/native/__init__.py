@@ -8,6 +8,8 @@ are serialized across processes by a file lock and renamed into place when finis
 seconds; no torch headers are involved.
 
 ``kernels()`` is that library's functions with their ctypes signatures (pointers are ``tensor.data_ptr()``).
+The library is built for AVX2; a few kernels also have AVX-512 copies that they take at run time where the CPU
+runs AVX-512 (``native_wide``: the same results bit for bit; tests switch them off to compare).
 Both return None (and log why) when the kernels cannot run here: a CPU without AVX2/FMA/F16C, no C compiler, or
 a failed build. Callers then take their torch path.
 """
@@ -124,6 +126,7 @@ _SIGNATURES = {
     "gguf_matmul_q8": "tpiipipt",
     "gguf_quantize_q8": "piippp",
     "decoder_one_token": "piiiiipppppppfptt",
+    "native_wide": "t",
 }
 _CTYPES = {"i": ctypes.c_int64, "p": ctypes.c_void_p, "f": ctypes.c_float, "t": ctypes.c_int}
 

@@ -31,8 +31,9 @@
  * Activations stay float32 by default (the result equals a float32 matmul with the dequantized weight up to float
  * rounding); opt-in, they are quantized to 8 bits as llama.cpp does and multiplied in integers (gguf_matmul_q8, at
  * the end of the file: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 weights). One activation row factors each chunk's scale out
- * (gemv_rows); several rows decode weight rows into a buffer (gemm_rows); embedding lookups and the many-row
- * path dequantize whole rows (dequantize_rows). Output rows are split over the pool's workers (thread_pool.c).
+ * (gemv_rows); several rows decode weight rows into a buffer (gemm_rows; on AVX-512 CPUs gemm_rows_wide, the same
+ * sums bit for bit in 512-bit vectors); embedding lookups and the many-row path dequantize whole rows
+ * (dequantize_rows). Output rows are split over the pool's workers (thread_pool.c).
  */
 #include "native.h"
 
@@ -203,11 +204,21 @@ static inline __attribute__((always_inline)) struct chunk block_chunk(int type, 
 
 /* --- lane order and column order --- */
 
-/* rows x K floats into lane order: out[32 i + 8 k + l] = x[32 i + 4 l + k]. */
+/* rows x K floats into lane order: out[32 i + 8 k + l] = x[32 i + 4 l + k]. Each 32 floats as two 4 x 4
+ * transposes (l < 4, l >= 4): element by element this was ~1 ns a float, a few ms of a 32-row decode step. */
 static void stride_columns(const float *x, int64_t rows, int64_t K, float *out) {
     for (int64_t i = 0; i < rows * K / 32; i++)
-        for (int k = 0; k < 4; k++)
-            for (int l = 0; l < 8; l++) out[32 * i + 8 * k + l] = x[32 * i + 4 * l + k];
+        for (int half = 0; half < 2; half++) {
+            const float *src = x + 32 * i + 16 * half;
+            __m128 r0 = _mm_loadu_ps(src), r1 = _mm_loadu_ps(src + 4), r2 = _mm_loadu_ps(src + 8),
+                   r3 = _mm_loadu_ps(src + 12);
+            _MM_TRANSPOSE4_PS(r0, r1, r2, r3); /* r_k = x[32 i + 4 l + k], l = 4 half .. 4 half + 3 */
+            float *dst = out + 32 * i + 4 * half;
+            _mm_storeu_ps(dst, r0);
+            _mm_storeu_ps(dst + 8, r1);
+            _mm_storeu_ps(dst + 16, r2);
+            _mm_storeu_ps(dst + 24, r3);
+        }
 }
 
 /* A chunk's four lane-order vectors stored as its 32 columns in order (a 4 x 8 transpose). */
@@ -226,15 +237,16 @@ static inline void store_in_order(const __m256 w[4], float *out) {
 /* --- the loops, shared by every format --- */
 
 /* A row's weights, w = d * q then + m (two roundings, as gguf-py's), into out: in the chunks' order (the tile
- * path's buffer) or, in_order, in column order (dequantized rows). */
+ * paths' buffers), each group of 8 floats `step` floats after the previous one (8: packed; 16: every other 8,
+ * the wide tile's interleaved rows), or, in_order (step 8), in column order (dequantized rows). */
 static inline __attribute__((always_inline)) void decode_row(int type, const uint8_t *row, int64_t K, float *out,
-                                                             int in_order) {
+                                                             int in_order, int64_t step) {
     const int chunks = block_chunks(type);
     for (int64_t b = 0; b < K / 32 / chunks; b++) {
 #pragma GCC unroll 8
         for (int c = 0; c < chunks; c++) { /* a K-quant's 8 chunks unrolled: their bit positions are constants */
             const struct chunk ch = block_chunk(type, row + b * block_bytes(type), c);
-            float *o = out + (b * chunks + c) * 32;
+            float *o = out + (b * chunks + c) * 4 * step;
             __m256 w[4];
             for (int k = 0; k < 4; k++) {
                 w[k] = _mm256_mul_ps(ch.q[k], ch.d);
@@ -242,7 +254,7 @@ static inline __attribute__((always_inline)) void decode_row(int type, const uin
             }
             if (in_order && lanes_strided(type)) store_in_order(w, o);
             else
-                for (int k = 0; k < 4; k++) _mm256_storeu_ps(o + 8 * k, w[k]);
+                for (int k = 0; k < 4; k++) _mm256_storeu_ps(o + step * k, w[k]);
         }
     }
 }
@@ -375,7 +387,7 @@ static inline __attribute__((always_inline)) void gemm_rows(int type, const floa
     const int64_t row_bytes = K / 32 / block_chunks(type) * block_bytes(type);
     for (int64_t n = n0; n < n1; n += 3) {
         for (int r = 0; r < 3; r++) /* a short last group repeats its last row: computed again, stored once */
-            decode_row(type, w + (n + r < n1 ? n + r : n1 - 1) * row_bytes, K, buf + r * K, 0);
+            decode_row(type, w + (n + r < n1 ? n + r : n1 - 1) * row_bytes, K, buf + r * K, 0, 8);
         for (int64_t m = 0; m < M; m += 4) {
             const float *xr[4];
             for (int r = 0; r < 4; r++) xr[r] = xs + (m + r < M ? m + r : M - 1) * K; /* tail rows repeat */
@@ -395,6 +407,116 @@ static inline __attribute__((always_inline)) void gemm_rows(int type, const floa
                 for (int c = 0; c < 3 && n + c < n1; c++) y[(m + r) * N + n + c] = hsum(a[r][c]);
         }
     }
+}
+
+/* --- several activation rows on AVX-512 (where the CPU has it): gemm_rows' sums, half the instructions ---
+ *
+ * One 512-bit FMA here is two of gemm_rows' 256-bit ones side by side: lanes 0-7 accumulate weight row n, lanes
+ * 8-15 row n + 1, over the same 8 columns of x (one 256-bit load broadcast to both halves), in the same order, and
+ * each half is reduced by hsum as there. So every output equals gemm_rows' bit for bit (tests compare the two),
+ * at twice the width: gemm_rows ran at about 50 GFLOP-pairs/s on 2 cores, near what 256-bit FMAs allow. The 32
+ * registers hold WIDE_PAIRS row pairs x WIDE_ROWS activation rows (24 accumulators; 11 loads per 24 FMAs). The
+ * pairs' rows are decoded into buf interleaved by 8 floats (decode_row's step 16). */
+
+enum { WIDE_PAIRS = 3, WIDE_ROWS = 8 };
+
+/* Q4_0, Q4_1, Q5_0, Q5_1: a block's 32 int8 quants (byte j: column j), as block_chunk passes them to make_chunk. */
+static inline __m256i block_quants(int type, const uint8_t *b) {
+    switch (type) {
+    case GGML_Q4_0: return _mm256_sub_epi8(nibbles(b + 2), mask8(8));
+    case GGML_Q4_1: return nibbles(b + 4);
+    case GGML_Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), fifth_bits(b + 2)), mask8(16));
+    default: return _mm256_or_si256(nibbles(b + 8), fifth_bits(b + 4)); /* Q5_1 */
+    }
+}
+
+/* Whether two rows decode at once in 512-bit vectors (decode_pair): the 32-column formats. */
+static inline int pair_decodes(int type) {
+    return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q5_0 || type == GGML_Q5_1 || type == GGML_Q8_0;
+}
+
+/* Rows a and b into gemm_rows_wide's interleaved buffer, as decode_row(..., 16) of each would put them (the same
+ * per-lane operations: make_chunk's shifts and conversion, d * q, + m; Q8_0 as q8_0_chunk), one 512-bit vector
+ * for both rows' 8 columns: half the instructions of two decode_row calls, which at 16 activation rows took about
+ * as long as the FMAs. */
+static inline WIDE_TARGET __attribute__((always_inline)) void decode_pair(int type, const uint8_t *a,
+                                                                          const uint8_t *b, int64_t K, float *out) {
+    const int bb = block_bytes(type);
+    for (int64_t i = 0; i < K / 32; i++) {
+        const uint8_t *ba = a + i * bb, *bq = b + i * bb;
+        if (type == GGML_Q8_0) { /* column order, as q8_0_chunk: 8 bytes of each row sign-extended at once */
+            const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(ba)), _mm256_set1_ps(half_to_float(bq)), 1);
+            for (int k = 0; k < 4; k++) {
+                const __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(ba + 2 + 8 * k)),
+                                                     _mm_loadl_epi64((const __m128i *)(bq + 2 + 8 * k)));
+                _mm512_storeu_ps(out + 64 * i + 16 * k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+            }
+            continue;
+        }
+        const __m512i q8 = _mm512_inserti64x4(_mm512_castsi256_si512(block_quants(type, ba)), block_quants(type, bq), 1);
+        const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(half_to_float(ba)), _mm256_set1_ps(half_to_float(bq)), 1);
+        const __m512 m = has_min(type) ? _mm512_insertf32x8(_mm512_set1_ps(half_to_float(ba + 2)),
+                                                            _mm256_set1_ps(half_to_float(bq + 2)), 1)
+                                       : _mm512_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(q8, 24 - 8 * k), 24)), d);
+            if (has_min(type)) w = _mm512_add_ps(w, m);
+            _mm512_storeu_ps(out + 64 * i + 16 * k, w);
+        }
+    }
+}
+
+static inline WIDE_TARGET __attribute__((always_inline)) void gemm_rows_wide(int type, const float *xs, int64_t M,
+                                                                             int64_t K, const uint8_t *w, int64_t N,
+                                                                             int64_t n0, int64_t n1, float *y,
+                                                                             float *buf) {
+    const int64_t row_bytes = K / 32 / block_chunks(type) * block_bytes(type);
+    for (int64_t n = n0; n < n1; n += 2 * WIDE_PAIRS) {
+        const uint8_t *wr[2 * WIDE_PAIRS]; /* a short last group repeats its last row: computed, not stored */
+        for (int r = 0; r < 2 * WIDE_PAIRS; r++) wr[r] = w + (n + r < n1 ? n + r : n1 - 1) * row_bytes;
+        for (int p = 0; p < WIDE_PAIRS; p++) {
+            if (pair_decodes(type)) decode_pair(type, wr[2 * p], wr[2 * p + 1], K, buf + p * 2 * K);
+            else
+                for (int r = 0; r < 2; r++) decode_row(type, wr[2 * p + r], K, buf + p * 2 * K + r * 8, 0, 16);
+        }
+        for (int64_t m = 0; m < M; m += WIDE_ROWS) {
+            const float *xr[WIDE_ROWS];
+            for (int r = 0; r < WIDE_ROWS; r++) xr[r] = xs + (m + r < M ? m + r : M - 1) * K; /* tail rows repeat */
+            __m512 a[WIDE_ROWS][WIDE_PAIRS];
+            for (int r = 0; r < WIDE_ROWS; r++)
+                for (int p = 0; p < WIDE_PAIRS; p++) a[r][p] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 8) {
+                __m512 wv[WIDE_PAIRS];
+                for (int p = 0; p < WIDE_PAIRS; p++) wv[p] = _mm512_loadu_ps(buf + p * 2 * K + 2 * k);
+                for (int r = 0; r < WIDE_ROWS; r++) {
+                    const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(xr[r] + k));
+                    for (int p = 0; p < WIDE_PAIRS; p++) a[r][p] = _mm512_fmadd_ps(xv, wv[p], a[r][p]);
+                }
+            }
+            for (int r = 0; r < WIDE_ROWS && m + r < M; r++)
+                for (int p = 0; p < WIDE_PAIRS; p++) {
+                    float *yr = y + (m + r) * N + n + 2 * p;
+                    if (n + 2 * p < n1) yr[0] = hsum(_mm512_castps512_ps256(a[r][p]));
+                    if (n + 2 * p + 1 < n1) yr[1] = hsum(_mm512_extractf32x8_ps(a[r][p], 1));
+                }
+        }
+    }
+}
+
+/* Whether the kernels take their AVX-512 paths (gemm_rows_wide here, attend_group in paged_attention.c): the CPU
+ * (and OS) run AVX-512, unless native_wide said not. */
+static int wide_allowed = 1;
+
+int wide_paths(void) {
+    return wide_allowed && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")
+           && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+}
+
+/* request 0: the 256-bit paths only (tests compare the two, bit for bit), 1: the widest the CPU runs, -1: unchanged.
+ * Returns 1 when the AVX-512 paths are taken now, else 0. */
+int native_wide(int request) {
+    if (request >= 0) wide_allowed = request;
+    return wide_paths();
 }
 
 /* K is a whole number of blocks of a known type. */
@@ -428,6 +550,16 @@ static void matmul_part(void *arg, int64_t g0, int64_t g1) {
     free(buf);
 }
 
+/* matmul_part for several rows on AVX-512 (gemm_rows_wide), whole 8-row groups as there. */
+static WIDE_TARGET void matmul_part_wide(void *arg, int64_t g0, int64_t g1) {
+    const struct matmul_job *j = (const struct matmul_job *)arg;
+    const int64_t n0 = g0 * 8, n1 = g1 * 8 < j->N ? g1 * 8 : j->N;
+    float *buf = (float *)aligned_alloc(64, (size_t)(2 * WIDE_PAIRS * j->K) * sizeof(float));
+    if (!buf) abort();
+    DISPATCH(j->type, gemm_rows_wide, j->xs, j->M, j->K, j->w, j->N, n0, n1, j->y, buf);
+    free(buf);
+}
+
 /* y[M, N] = x[M, K] @ w^T. Returns 0, or -1 for an unknown type or a K that is not a whole number of blocks. */
 int gguf_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y,
                 int threads) {
@@ -453,7 +585,7 @@ int gguf_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *w
     }
     if (strided) stride_columns(x, M, K, scratch + sums);
     struct matmul_job job = {type, strided ? scratch + sums : x, scratch, M, K, N, w, y};
-    parallel_for(threads, (N + 7) / 8, matmul_part, &job);
+    parallel_for(threads, (N + 7) / 8, M > 1 && wide_paths() ? matmul_part_wide : matmul_part, &job);
     free(scratch);
     return 0;
 }
@@ -470,7 +602,7 @@ static inline __attribute__((always_inline)) void dequantize_rows(int type, cons
                                                                   int64_t i0, int64_t i1) {
     const int64_t row_bytes = j->K / 32 / block_chunks(type) * block_bytes(type);
     for (int64_t i = i0; i < i1; i++)
-        decode_row(type, j->w + (j->ids ? j->ids[i] : i) * row_bytes, j->K, j->out + i * j->K, 1);
+        decode_row(type, j->w + (j->ids ? j->ids[i] : i) * row_bytes, j->K, j->out + i * j->K, 1, 8);
 }
 
 static void dequantize_part(void *arg, int64_t i0, int64_t i1) {

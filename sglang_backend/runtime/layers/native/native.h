@@ -8,6 +8,12 @@
 typedef void (*parallel_fn)(void *ctx, int64_t begin, int64_t end);
 void parallel_for(int threads, int64_t total, parallel_fn fn, void *ctx);
 
+/* A function compiled for AVX-512 as well (called only where wide_paths() says the CPU runs it). */
+#define WIDE_TARGET __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
+
+/* Whether the kernels take their AVX-512 paths now (gguf_blocks.c, native_wide). */
+int wide_paths(void);
+
 /* The sum of the 8 lanes of v. */
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
