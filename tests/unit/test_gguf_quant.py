@@ -361,6 +361,20 @@ def _attention_reference(q, k_buf, v_buf, rows, token_req, token_len, scale, cap
     return out
 
 
+def _attention_case(gen, H: int, Hkv: int, D: int, pool_rows: int, lengths: list[int], new: list[int], width: int):
+    """Random inputs of the native paged attention: a pool of ``pool_rows`` K/V slots, each request's ``lengths[b]``
+    slots scattered over it (a table ``width`` wide), its last ``new[b]`` tokens as queries (causal)."""
+    k_buf = torch.randn(pool_rows, Hkv, D, generator=gen)
+    v_buf = torch.randn(pool_rows, Hkv, D, generator=gen)
+    rows = torch.zeros(len(lengths), width, dtype=torch.int64)
+    for b, n in enumerate(lengths):
+        rows[b, :n] = torch.randperm(pool_rows, generator=gen)[:n]
+    token_req = torch.tensor([b for b, n in enumerate(new) for _ in range(n)])
+    token_len = torch.tensor([total - n + 1 + i for total, n in zip(lengths, new) for i in range(n)])
+    q = torch.randn(len(token_req), H, D, generator=gen)
+    return k_buf, v_buf, rows, token_req, token_len, q
+
+
 @needs_kernels
 @pytest.mark.parametrize("D", [16, 20, 64, 128])
 @pytest.mark.parametrize("window,cap", [(0, 0.0), (7, 0.0), (0, 30.0)])
@@ -368,16 +382,8 @@ def test_paged_attention_equals_reference(D, window, cap):
     """The native attention on fresh random inputs: GQA (6 heads over 2), requests of different lengths whose
     slots are scattered over the pool, several new tokens per request (causal), windows and softcaps."""
     gen = torch.Generator().manual_seed(D * 100 + window)
-    H, Hkv, pool_rows = 6, 2, 400
-    k_buf = torch.randn(pool_rows, Hkv, D, generator=gen)
-    v_buf = torch.randn(pool_rows, Hkv, D, generator=gen)
-    lengths, new = [3, 40, 129], [1, 5, 17]
-    rows = torch.zeros(len(lengths), 160, dtype=torch.int64)
-    for b, n in enumerate(lengths):
-        rows[b, :n] = torch.randperm(pool_rows, generator=gen)[:n]
-    token_req = torch.tensor([b for b, n in enumerate(new) for _ in range(n)])
-    token_len = torch.tensor([total - n + 1 + i for total, n in zip(lengths, new) for i in range(n)])
-    q = torch.randn(len(token_req), H, D, generator=gen)
+    H, Hkv = 6, 2
+    k_buf, v_buf, rows, token_req, token_len, q = _attention_case(gen, H, Hkv, D, 400, [3, 40, 129], [1, 5, 17], 160)
     out = torch.empty_like(q)
     scale = D ** -0.5
     native.kernels().paged_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), rows.shape[1],
@@ -398,16 +404,8 @@ def test_grouped_attention_equals_per_head(H, Hkv, D, window, cap):
     if not kernels.native_wide(-1):
         pytest.skip("this CPU has no AVX-512: the per-head path only")
     gen = torch.Generator().manual_seed(H * 1000 + D + window)
-    pool_rows = 900
-    k_buf = torch.randn(pool_rows, Hkv, D, generator=gen)
-    v_buf = torch.randn(pool_rows, Hkv, D, generator=gen)
-    lengths, new = [3, 40, 129, 750], [1, 5, 17, 1]
-    rows = torch.zeros(len(lengths), 800, dtype=torch.int64)
-    for b, n in enumerate(lengths):
-        rows[b, :n] = torch.randperm(pool_rows, generator=gen)[:n]
-    token_req = torch.tensor([b for b, n in enumerate(new) for _ in range(n)])
-    token_len = torch.tensor([total - n + 1 + i for total, n in zip(lengths, new) for i in range(n)])
-    q = torch.randn(len(token_req), H, D, generator=gen)
+    k_buf, v_buf, rows, token_req, token_len, q = _attention_case(gen, H, Hkv, D, 900, [3, 40, 129, 750],
+                                                                  [1, 5, 17, 1], 800)
     outs = []
     for wide in (1, 0):
         out = torch.full_like(q, float("nan"))

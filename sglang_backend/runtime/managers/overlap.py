@@ -33,7 +33,7 @@ import torch
 
 from ...utils import to_device_async
 from ..layers.sampler import SamplingBatchInfo
-from ..model_executor.forward_batch import ForwardBatch, ForwardMode, cascade_worthwhile
+from ..model_executor.forward_batch import ForwardBatch, ForwardMode, cascade_worthwhile, upload_int64
 from .schedule_batch import Req
 
 logger = logging.getLogger(__name__)
@@ -132,12 +132,9 @@ class OverlapDecoder:
                 input_ids[to_device_async(torch.tensor(lag), dev)] = \
                     prev.next_ids[to_device_async(torch.tensor([src[k] for k in lag]), dev)]
         seq_lens = positions + 1
-        # One pinned copy for the batch's index tensors; rows padded to 16 bytes (Triton specialises kernels on
-        # pointer alignment: an odd batch would otherwise hand the kernels differently aligned views).
-        n = len(reqs)
-        packed = torch.zeros((5, n + n % 2), dtype=torch.int64)
-        packed[:, :n] = torch.stack([positions, locs.to(torch.int64), rows, seq_lens, torch.arange(n)])
-        d_positions, d_locs, d_rows, d_seq_lens, d_rows_idx = to_device_async(packed, dev)[:, :n].unbind(0)
+        # One pinned copy for the batch's index tensors, each a 16-byte-aligned view (upload_int64).
+        d_positions, d_locs, d_rows, d_seq_lens, d_rows_idx = upload_int64(
+            [positions, locs, rows, seq_lens, torch.arange(len(reqs))], dev)
         fb = ForwardBatch(ForwardMode.DECODE, input_ids, d_positions, d_locs, d_rows, d_seq_lens, seq_lens.tolist(),
                           logits_indices=d_rows_idx,
                           shares_prefix=cascade_worthwhile(s.req_to_token_pool, rows.tolist(), positions.tolist(),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ....utils import to_device_async
 from .triton_backend import TritonAttnBackend
 from .base import device_table
 
@@ -63,7 +64,7 @@ class FA3AttnBackend(TritonAttnBackend):
         meta = torch.zeros((2, n + 1), dtype=torch.int32)
         meta[0, 1:] = torch.tensor(extend, dtype=torch.int32).cumsum(0)  # cu_seqlens_q
         meta[1, :n] = torch.tensor(fb.seq_lens_cpu, dtype=torch.int32)  # seqused_k
-        meta = meta.pin_memory().to(self.device, non_blocking=True)
+        meta = to_device_async(meta, self.device)
         max_q, max_k = max(extend, default=0), max(fb.seq_lens_cpu, default=0)
         pages = None
         # A lone token may come from the one-token GEMV path, which stores its K/V without returning rotated k.
